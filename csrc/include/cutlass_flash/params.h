@@ -1,0 +1,65 @@
+// Plain parameter structs for the kernel library. No torch, no Python: pointers, shapes, strides
+// (in elements), scalars. The caller owns every buffer, scratch memory included, so the library
+// never allocates or synchronises the device (torch's caching allocator and CUDA graphs work).
+#pragma once
+
+#include <cstdint>
+
+namespace cutlass_flash {
+
+enum class DType : int { kFloat16 = 0, kBFloat16 = 1 };
+
+// Layout of one (batch, seqlen, nheads, head_dim) tensor: the last dimension is contiguous.
+struct TensorRef4 {
+  void* ptr = nullptr;
+  int64_t batch_stride = 0;
+  int64_t row_stride = 0;   // stride between consecutive sequence positions
+  int64_t head_stride = 0;
+};
+
+// Shapes and masking shared by forward and backward.
+//
+// Masking is a window relative to the bottom-right-aligned diagonal: query row i sees key column j
+// iff  i + (seqlen_k - seqlen_q) - window_left <= j <= i + (seqlen_k - seqlen_q) + window_right,
+// a negative bound meaning unbounded. Causal is (window_left = -1, window_right = 0). Sliding
+// windows then need no new kernel parameter, only values.
+//
+// Extension points, kept out of the struct until a kernel implements them (an unused field that
+// a kernel silently ignores would be a wrong answer waiting to happen):
+//  - variable length batches: `const int* cu_seqlens_q/k`, read by kernels/common/block_info.h;
+//  - softcapping: one float, applied in kernels/common/softmax.h before the row max;
+//  - paged KV cache: a block table, read by the K/V load of the mainloop.
+struct AttnProblem {
+  int batch = 0;
+  int seqlen_q = 0;
+  int seqlen_k = 0;
+  int nheads = 0;
+  int nheads_kv = 0;
+  int head_dim = 0;          // the instantiated head dim; the caller pads smaller ones
+  float softmax_scale = 0.f;
+  int window_left = -1;
+  int window_right = -1;
+  DType dtype = DType::kBFloat16;
+
+  bool is_causal() const { return window_left < 0 && window_right == 0; }
+};
+
+struct FwdParams {
+  AttnProblem problem;
+  TensorRef4 q, k, v;   // inputs
+  TensorRef4 o;         // output, same dtype as q
+  float* lse = nullptr; // output, contiguous (batch, nheads, seqlen_q), natural log
+};
+
+struct BwdParams {
+  AttnProblem problem;
+  TensorRef4 q, k, v, o, dout;  // inputs
+  const float* lse = nullptr;   // contiguous (batch, nheads, seqlen_q)
+  // Outputs. dk and dv are per *query* head, (batch, seqlen_k, nheads, head_dim): for GQA/MQA the
+  // caller sums the heads of each group.
+  TensorRef4 dq, dk, dv;
+  // Scratch, at least bwd_workspace_bytes(problem) bytes, 256-byte aligned; need not be zeroed.
+  void* workspace = nullptr;
+};
+
+}  // namespace cutlass_flash

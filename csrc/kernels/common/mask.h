@@ -1,0 +1,93 @@
+// Attention mask as a window around the bottom-right-aligned diagonal (arch-neutral).
+//
+// Query row i sees key column j iff  j < seqlen_k  and
+//   i + diag - window_left <= j <= i + diag + window_right,   diag = seqlen_k - seqlen_q,
+// a negative window bound meaning unbounded on that side. No mask is (-1, -1), causal is (-1, 0).
+// The same type tells the mainloop which key blocks a query block touches and how many of them
+// need element-wise masking, so kernels skip whole blocks above the diagonal.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include <cmath>
+
+namespace cutlass_flash {
+
+struct WindowMask {
+  int seqlen_q, seqlen_k;
+  int window_left, window_right;
+
+  __host__ __device__ WindowMask(int sq, int sk, int wl, int wr)
+      : seqlen_q(sq), seqlen_k(sk), window_left(wl), window_right(wr) {}
+
+  __host__ __device__ bool has_left() const { return window_left >= 0; }
+  __host__ __device__ bool has_right() const { return window_right >= 0; }
+  __host__ __device__ int diag() const { return seqlen_k - seqlen_q; }
+
+  // Key blocks [n_min, n_max) that the query rows [m_begin, m_begin + kBlockM) touch.
+  template <int kBlockM, int kBlockN>
+  __host__ __device__ void n_block_range(int m_block, int& n_min, int& n_max) const {
+    const int m_begin = m_block * kBlockM;
+    const int m_end = min(m_begin + kBlockM, seqlen_q);
+    n_max = (seqlen_k + kBlockN - 1) / kBlockN;
+    n_min = 0;
+    if (has_right()) {
+      const int last_col = m_end - 1 + diag() + window_right;  // inclusive
+      n_max = min(n_max, max(0, last_col + kBlockN) / kBlockN);
+    }
+    if (has_left()) {
+      const int first_col = m_begin + diag() - window_left;
+      n_min = max(0, first_col) / kBlockN;
+    }
+  }
+
+  // Query blocks [m_min, m_max) that the key rows [n_begin, n_begin + kBlockN) are seen by.
+  template <int kBlockM, int kBlockN>
+  __host__ __device__ void m_block_range(int n_block, int& m_min, int& m_max) const {
+    const int n_begin = n_block * kBlockN;
+    const int n_end = min(n_begin + kBlockN, seqlen_k);
+    m_max = (seqlen_q + kBlockM - 1) / kBlockM;
+    m_min = 0;
+    if (has_right()) {  // row i sees column j when i >= j - diag - window_right
+      const int first_row = n_begin - diag() - window_right;
+      m_min = max(0, first_row) / kBlockM;
+    }
+    if (has_left()) {   // row i sees column j when i <= j - diag + window_left
+      const int last_row = n_end - 1 - diag() + window_left;
+      m_max = min(m_max, max(0, last_row + kBlockM) / kBlockM);
+    }
+  }
+
+  // Whether key block n_block needs element-wise masking for query block m_block: it crosses
+  // the end of the keys or a window edge.
+  template <int kBlockM, int kBlockN>
+  __host__ __device__ bool block_needs_mask(int m_block, int n_block) const {
+    const int m_begin = m_block * kBlockM, m_last = m_begin + kBlockM - 1;
+    const int n_begin = n_block * kBlockN, n_last = n_begin + kBlockN - 1;
+    if (n_last >= seqlen_k) return true;
+    if (has_right() && n_last > m_begin + diag() + window_right) return true;
+    if (has_left() && n_begin < m_last + diag() - window_left) return true;
+    return false;
+  }
+
+  // Sets masked entries of a tile of scores to -inf. `coords` holds each entry's (row, col)
+  // within the tile (an identity tensor partitioned like the accumulator), so this works for any
+  // MMA layout, mma.sync or wgmma. The window bounds become per-row offsets chosen once, so each
+  // entry costs two compares and a select, no branch.
+  template <typename TensorS, typename TensorC>
+  __device__ void apply(TensorS& scores, const TensorC& coords, int row_offset, int col_offset) const {
+    constexpr int kFar = 1 << 30;  // beyond any column index, with room for row + offset
+    const int right = (has_right() ? diag() + window_right + 1 : kFar) + row_offset - col_offset;
+    const int left = (has_left() ? diag() - window_left : -kFar) + row_offset - col_offset;
+    const int end = seqlen_k - col_offset;
+    CUTE_UNROLL
+    for (int i = 0; i < cute::size(scores); ++i) {
+      const int row = cute::get<0>(coords(i));
+      const int col = cute::get<1>(coords(i));
+      const bool masked = col >= end || col >= row + right || col < row + left;
+      scores(i) = masked ? -INFINITY : scores(i);
+    }
+  }
+};
+
+}  // namespace cutlass_flash

@@ -1,0 +1,91 @@
+// Online softmax over register tiles (arch-neutral).
+//
+// Works on a score tile viewed as (rows, cols) where a row is spread over the 4 threads of a quad,
+// which holds for both mma.sync m16n8k16 and wgmma accumulators. Exponentials use exp2 with the
+// softmax scale folded into log2(e), so each score costs one FFMA and one MUFU.EX2.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include <cmath>
+
+namespace cutlass_flash {
+
+struct MaxOp {
+  __device__ __forceinline__ float operator()(float a, float b) const { return a > b ? a : b; }
+};
+struct SumOp {
+  __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
+};
+
+// Reduces across the 4 threads of a quad (lanes differing in bits 0 and 1).
+template <typename Op>
+__device__ __forceinline__ float quad_allreduce(float x, Op op) {
+  x = op(x, __shfl_xor_sync(0xffffffff, x, 1));
+  x = op(x, __shfl_xor_sync(0xffffffff, x, 2));
+  return x;
+}
+
+template <int kNRows>
+struct OnlineSoftmax {
+  cute::Tensor<cute::ArrayEngine<float, kNRows>, cute::Layout<cute::Shape<cute::Int<kNRows>>>> row_max, row_sum;
+  float scale_log2;
+
+  __device__ explicit OnlineSoftmax(float softmax_scale_log2) : scale_log2(softmax_scale_log2) {
+    cute::fill(row_max, -INFINITY);
+    cute::fill(row_sum, 0.f);
+  }
+
+  // A row whose max is -inf (every entry masked so far) uses 0 as its offset, so exp2 gives 0
+  // instead of NaN from (-inf) - (-inf).
+  __device__ __forceinline__ float scaled_max(float m) const {
+    return m == -INFINITY ? 0.f : m * scale_log2;
+  }
+
+  // Turns `scores` (rows, cols) into unnormalised probabilities in place and rescales the output
+  // accumulator `acc_o` (rows, d) by exp(old_max - new_max). The row sums stay per-thread partial
+  // sums until finalize(), saving two shuffles per row per tile.
+  template <bool kFirst, typename TensorS, typename TensorO>
+  __device__ __forceinline__ void update(TensorS& scores, TensorO& acc_o) {
+    static_assert(decltype(cute::size<0>(scores))::value == kNRows);
+    CUTE_UNROLL
+    for (int mi = 0; mi < kNRows; ++mi) {
+      float m = kFirst ? -INFINITY : row_max(mi);
+      CUTE_UNROLL
+      for (int ni = 0; ni < cute::size<1>(scores); ++ni) m = MaxOp{}(m, scores(mi, ni));
+      m = quad_allreduce(m, MaxOp{});
+      if constexpr (!kFirst) {
+        const float correction = exp2f(scaled_max(row_max(mi)) - scaled_max(m));
+        row_sum(mi) *= correction;
+        CUTE_UNROLL
+        for (int di = 0; di < cute::size<1>(acc_o); ++di) acc_o(mi, di) *= correction;
+      }
+      row_max(mi) = m;
+      const float offset = scaled_max(m);
+      float s = 0.f;
+      CUTE_UNROLL
+      for (int ni = 0; ni < cute::size<1>(scores); ++ni) {
+        scores(mi, ni) = exp2f(scores(mi, ni) * scale_log2 - offset);
+        s += scores(mi, ni);
+      }
+      row_sum(mi) += s;
+    }
+  }
+
+  // Normalises acc_o and returns the per-row log-sum-exp (natural log) in `lse`. Rows that saw
+  // no key (sum 0) get out = 0 and lse = +inf, as FlashAttention does.
+  template <typename TensorO, typename TensorL>
+  __device__ __forceinline__ void finalize(TensorO& acc_o, TensorL& lse, float softmax_scale) {
+    CUTE_UNROLL
+    for (int mi = 0; mi < kNRows; ++mi) {
+      const float sum = quad_allreduce(row_sum(mi), SumOp{});
+      const bool empty = sum == 0.f || sum != sum;
+      const float inv = empty ? 1.f : 1.f / sum;
+      lse(mi) = empty ? INFINITY : row_max(mi) * softmax_scale + logf(sum);
+      CUTE_UNROLL
+      for (int di = 0; di < cute::size<1>(acc_o); ++di) acc_o(mi, di) *= inv;
+    }
+  }
+};
+
+}  // namespace cutlass_flash

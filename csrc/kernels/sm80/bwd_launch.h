@@ -1,0 +1,35 @@
+// Host launcher of the sm80 backward for one head dim and element type: preprocess, main kernel,
+// dQ conversion, all on the caller's stream.
+#pragma once
+
+#include "kernels/common/tile_scheduler.h"
+#include "kernels/sm80/bwd_kernel.h"
+#include "kernels/sm80/bwd_traits.h"
+#include "kernels/sm80/launch.h"
+#include "kernels/sm80/launch_utils.h"
+#include "kernels/sm80/tile_config.h"
+
+namespace cutlass_flash::sm80 {
+
+template <int kHeadDim, typename Element>
+Status run_bwd(const BwdParams& params, cudaStream_t stream) {
+  constexpr BwdTile kTile = bwd_tile(kHeadDim);
+  using Traits = BwdTraits<kHeadDim, kTile.block_m, kTile.block_n, kTile.warps, kTile.atom_m_sdp, kTile.atom_n_dkv,
+                           kTile.atom_m_dq, kTile.q_stages, Element>;
+  const AttnProblem& p = params.problem;
+  const dim3 row_grid(ceil_div(p.seqlen_q, kRowKernelRowsPerBlock), p.nheads, p.batch);
+
+  bwd_preprocess_kernel<kHeadDim, Element><<<row_grid, kRowKernelWarps * 32, 0, stream>>>(params);
+  if (Status s = cuda_status(cudaGetLastError(), "sm80 backward preprocess launch"); !s.ok()) return s;
+
+  auto kernel = bwd_kernel<Traits>;
+  if (Status s = ensure_smem_limit(kernel, Traits::kSmemBytes); !s.ok()) return s;
+  const dim3 grid = GridTileScheduler::grid(ceil_div(p.seqlen_k, kTile.block_n), p.nheads, p.batch);
+  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(params);
+  if (Status s = cuda_status(cudaGetLastError(), "sm80 backward launch"); !s.ok()) return s;
+
+  bwd_convert_dq_kernel<kHeadDim, Element><<<row_grid, kRowKernelWarps * 32, 0, stream>>>(params);
+  return cuda_status(cudaGetLastError(), "sm80 backward dQ conversion launch");
+}
+
+}  // namespace cutlass_flash::sm80

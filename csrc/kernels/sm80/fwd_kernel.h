@@ -1,0 +1,64 @@
+// sm80 forward kernel: one thread block per (query block, head, batch).
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include <cmath>
+
+#include "cutlass_flash/params.h"
+#include "kernels/common/block_info.h"
+#include "kernels/common/mask.h"
+#include "kernels/common/softmax.h"
+#include "kernels/common/tile_scheduler.h"
+#include "kernels/sm80/fwd_epilogue.h"
+#include "kernels/sm80/fwd_mainloop.h"
+
+namespace cutlass_flash::sm80 {
+
+using namespace cute;
+
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_constant__ FwdParams params) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  // Each thread owns 2 rows of every 16-row MMA tile it covers.
+  constexpr int kRows = 2 * kBlockM / (16 * Traits::kNWarps);
+  extern __shared__ __align__(128) char smem[];
+
+  const AttnProblem& p = params.problem;
+  const TileCoord tile = GridTileScheduler::get(/*longest_first=*/p.window_right >= 0);
+  const int m_block = tile.block, head = tile.head, batch = tile.batch;
+  const int head_kv = head / (p.nheads / p.nheads_kv);
+  const WindowMask mask(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right);
+  int n_min, n_max;
+  mask.n_block_range<kBlockM, kBlockN>(m_block, n_min, n_max);
+
+  auto gmem_tensor = [](Element* ptr, int rows, int64_t row_stride) {
+    return make_tensor(make_gmem_ptr(ptr), make_shape(rows, Int<kHeadDim>{}), make_stride(row_stride, _1{}));
+  };
+  Tensor mQ = gmem_tensor(BlockInfo::slice<Element>(params.q, batch, head), p.seqlen_q, params.q.row_stride);
+  Tensor mK = gmem_tensor(BlockInfo::slice<Element>(params.k, batch, head_kv), p.seqlen_k, params.k.row_stride);
+  Tensor mV = gmem_tensor(BlockInfo::slice<Element>(params.v, batch, head_kv), p.seqlen_k, params.v.row_stride);
+  Tensor mO = gmem_tensor(BlockInfo::slice<Element>(params.o, batch, head), p.seqlen_q, params.o.row_stride);
+  Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
+  Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
+  Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
+  Tensor gO = local_tile(mO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
+
+  Tensor acc_o = partition_fragment_C(typename Traits::TiledMma{}, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  clear(acc_o);
+  Tensor lse = make_tensor<float>(Shape<Int<kRows>>{});
+  if (n_min < n_max) {
+    OnlineSoftmax<kRows> softmax(p.softmax_scale * float(M_LOG2E));
+    FwdMainloop<Traits>::run(gQ, gK, gV, smem, mask, m_block, n_min, n_max, acc_o, softmax);
+    Tensor o_rc = rowcol_view(acc_o);
+    softmax.finalize(o_rc, lse, p.softmax_scale);
+  } else {
+    fill(lse, INFINITY);  // no key visible to any row of this block: O = 0, LSE = +inf
+  }
+
+  float* lse_out = params.lse + (int64_t(batch) * p.nheads + head) * p.seqlen_q + m_block * kBlockM;
+  FwdEpilogue<Traits>::store(acc_o, lse, gO, lse_out, smem, p.seqlen_q - m_block * kBlockM);
+}
+
+}  // namespace cutlass_flash::sm80

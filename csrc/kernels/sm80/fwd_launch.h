@@ -1,0 +1,25 @@
+// Host launcher of the sm80 forward kernel for one head dim and element type.
+#pragma once
+
+#include "kernels/common/tile_scheduler.h"
+#include "kernels/sm80/fwd_kernel.h"
+#include "kernels/sm80/fwd_traits.h"
+#include "kernels/sm80/launch.h"
+#include "kernels/sm80/launch_utils.h"
+#include "kernels/sm80/tile_config.h"
+
+namespace cutlass_flash::sm80 {
+
+template <int kHeadDim, typename Element>
+Status run_fwd(const FwdParams& params, cudaStream_t stream) {
+  constexpr FwdTile kTile = fwd_tile(kHeadDim);
+  using Traits = FwdTraits<kHeadDim, kTile.block_m, kTile.block_n, kTile.warps, Element>;
+  auto kernel = fwd_kernel<Traits>;
+  if (Status s = ensure_smem_limit(kernel, Traits::kSmemBytes); !s.ok()) return s;
+  const AttnProblem& p = params.problem;
+  const dim3 grid = GridTileScheduler::grid(ceil_div(p.seqlen_q, kTile.block_m), p.nheads, p.batch);
+  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(params);
+  return cuda_status(cudaGetLastError(), "sm80 forward launch");
+}
+
+}  // namespace cutlass_flash::sm80

@@ -1,0 +1,105 @@
+// sm80 forward mainloop: for one query block, stream the key/value blocks through shared memory
+// and accumulate O = softmax(Q K^T) V online (FlashAttention-2).
+//
+// Pipeline, per key block n (walking from the last block down, so the blocks that need masking
+// come first): wait for K(n) -> issue the cp.async of V(n) -> S = Q K(n)^T -> mask -> wait for V(n)
+// -> issue the cp.async of K(n-1) -> online softmax -> O += P V(n). Each load overlaps one GEMM.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "kernels/common/mask.h"
+#include "kernels/sm80/utils.h"
+
+namespace cutlass_flash::sm80 {
+
+using namespace cute;
+
+template <typename Traits>
+struct FwdMainloop {
+  using Element = typename Traits::Element;
+  static constexpr int kBlockM = Traits::kBlockM;
+  static constexpr int kBlockN = Traits::kBlockN;
+  static constexpr int kHeadDim = Traits::kHeadDim;
+
+  // gQ: (kBlockM, d); gK, gV: (kBlockN, d, num_n_blocks). Runs key blocks [n_min, n_max).
+  template <typename TensorQ, typename TensorK, typename TensorV, typename TensorO, typename Softmax>
+  __device__ static void run(const TensorQ& gQ, const TensorK& gK, const TensorV& gV, char* smem,
+                             const WindowMask& mask, int m_block, int n_min, int n_max, TensorO& acc_o,
+                             Softmax& softmax) {
+    const int tid = threadIdx.x;
+    Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});
+    Tensor sK = make_tensor(sQ.data() + size(sQ), typename Traits::SmemLayoutKV{});
+    Tensor sV = make_tensor(sK.data() + size(sK), typename Traits::SmemLayoutKV{});
+    Tensor sVt = make_tensor(sV.data(), typename Traits::SmemLayoutVt{});
+    Tensor sVtNoSwizzle = make_tensor(sV.data(), typename Traits::SmemLayoutVtNoSwizzle{});
+
+    typename Traits::GmemCopyQKV gmem_copy;
+    auto gmem_thr = gmem_copy.get_thread_slice(tid);
+    Tensor tQgQ = gmem_thr.partition_S(gQ);
+    Tensor tQsQ = gmem_thr.partition_D(sQ);
+    Tensor tKgK = gmem_thr.partition_S(gK);  // (CPY, CPY_N, CPY_K, n)
+    Tensor tKsK = gmem_thr.partition_D(sK);
+    Tensor tVgV = gmem_thr.partition_S(gV);
+    Tensor tVsV = gmem_thr.partition_D(sV);
+    Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+
+    typename Traits::TiledMma tiled_mma;
+    auto thr_mma = tiled_mma.get_thread_slice(tid);
+    Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
+    Tensor tSrK = thr_mma.partition_fragment_B(sK);
+    Tensor tOrVt = thr_mma.partition_fragment_B(sVtNoSwizzle);
+    Tensor tScS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+
+    auto copy_q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
+    auto thr_copy_q = copy_q.get_thread_slice(tid);
+    Tensor tSsQ = thr_copy_q.partition_S(sQ);
+    auto copy_k = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma);
+    auto thr_copy_k = copy_k.get_thread_slice(tid);
+    Tensor tSsK = thr_copy_k.partition_S(sK);
+    auto copy_v = make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, tiled_mma);
+    auto thr_copy_v = copy_v.get_thread_slice(tid);
+    Tensor tOsVt = thr_copy_v.partition_S(sVt);
+
+    const int seqlen_k = mask.seqlen_k;
+    copy_rows(gmem_copy, tQgQ, tQsQ, tQcQ, mask.seqlen_q - m_block * kBlockM);
+    int n = n_max - 1;
+    copy_rows(gmem_copy, tKgK(_, _, _, n), tKsK, tKVcKV, seqlen_k - n * kBlockN);
+    cp_async_fence();
+
+    Tensor o_rc = rowcol_view(acc_o);
+    for (bool first = true; n >= n_min; --n, first = false) {
+      Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      clear(acc_s);
+      cp_async_wait<0>();
+      __syncthreads();  // K(n) visible to all; every warp finished reading V(n+1)
+      copy_rows(gmem_copy, tVgV(_, _, _, n), tVsV, tKVcKV, seqlen_k - n * kBlockN);
+      cp_async_fence();
+
+      gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, copy_q, copy_k, thr_copy_q, thr_copy_k);
+      if (mask.block_needs_mask<kBlockM, kBlockN>(m_block, n)) {
+        mask.apply(acc_s, tScS, m_block * kBlockM, n * kBlockN);
+      }
+
+      cp_async_wait<0>();
+      __syncthreads();  // V(n) visible to all; every warp finished reading K(n)
+      if (n > n_min) {
+        copy_rows(gmem_copy, tKgK(_, _, _, n - 1), tKsK, tKVcKV, seqlen_k - (n - 1) * kBlockN);
+        cp_async_fence();
+      }
+
+      Tensor scores = rowcol_view(acc_s);
+      if (first) {
+        softmax.template update</*kFirst=*/true>(scores, o_rc);
+      } else {
+        softmax.template update</*kFirst=*/false>(scores, o_rc);
+      }
+      Tensor rP = convert_type<Element>(acc_s);
+      Tensor tOrP = make_tensor(rP.data(), acc_as_a_layout(rP.layout()));
+      gemm_rs(acc_o, tOrP, tOrVt, tOsVt, tiled_mma, copy_v, thr_copy_v);
+    }
+  }
+};
+
+}  // namespace cutlass_flash::sm80

@@ -1,0 +1,37 @@
+// Host-side helpers shared by the sm80 launchers.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <string>
+
+#include "cutlass_flash/api.h"
+
+namespace cutlass_flash::sm80 {
+
+inline Status cuda_status(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return Status::Ok();
+  return {Status::kCudaError, std::string(what) + ": " + cudaGetErrorString(err)};
+}
+
+// Raises a kernel's dynamic shared-memory limit once per device (cudaFuncSetAttribute is per
+// device), so the per-call path does no attribute work after the first launch.
+template <typename Kernel>
+Status ensure_smem_limit(Kernel kernel, int smem_bytes) {
+  if (smem_bytes <= 48 * 1024) return Status::Ok();
+  constexpr int kMaxDevices = 64;
+  static std::atomic<bool> done[kMaxDevices] = {};
+  int device = 0;
+  if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return cuda_status(err, "cudaGetDevice");
+  if (device < kMaxDevices && done[device].load(std::memory_order_acquire)) return Status::Ok();
+  Status s = cuda_status(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes),
+      "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+  if (s.ok() && device < kMaxDevices) done[device].store(true, std::memory_order_release);
+  return s;
+}
+
+inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+}  // namespace cutlass_flash::sm80

@@ -1,0 +1,41 @@
+// Tile shapes of the sm80 kernels, per head dim: the one place they are chosen.
+//
+// Starting point: FlashAttention-2's measured choices for A100 (sm80, 164 KB shared memory per
+// SM), which also fit Hopper's 227 KB. Forward: 128 query rows per block with 4 warps (32 rows
+// per warp keeps the S tile in registers); the key block shrinks as the head dim grows so
+// Q + K + V stay in shared memory and registers do not spill. Backward: K/V tile resident per
+// block, queries streamed; 8 warps. See PERFLOG.md for what was measured on our GPU.
+#pragma once
+
+namespace cutlass_flash::sm80 {
+
+struct FwdTile {
+  int block_m, block_n, warps;
+};
+
+constexpr FwdTile fwd_tile(int head_dim) {
+  // hdim 64: 128x128 (Q 16 KB + K,V 32 KB); 96/128: 128x64; 192/256: 128x64 with 8 warps
+  // (16 rows per warp: a 4-warp block would need 2x the O accumulator registers per thread).
+  return head_dim <= 64    ? FwdTile{128, 128, 4}
+         : head_dim <= 128 ? FwdTile{128, 64, 4}
+                           : FwdTile{128, 64, 8};
+}
+
+struct BwdTile {
+  int block_m, block_n, warps;
+  int atom_m_sdp;   // warps along M for S = Q K^T and dP = dO V^T
+  int atom_n_dkv;   // warps along N for dK, dV
+  int atom_m_dq;    // warps along M for dQ
+  int q_stages;     // 2: the next Q block loads during the current one
+};
+
+constexpr BwdTile bwd_tile(int head_dim) {
+  // The block keeps K, V (block_n x d) and accumulates dK, dV in registers; the m-loop streams
+  // Q, dO. FlashAttention-2's sm80 choices. Above 128, a second Q stage would need 176 KB of
+  // shared memory at d = 256, more than an A100 has (164 KB), so Q is single-buffered there.
+  return head_dim <= 64    ? BwdTile{128, 128, 8, 2, 4, 4, 2}
+         : head_dim <= 128 ? BwdTile{64, 128, 8, 2, 4, 2, 2}
+                           : BwdTile{64, 64, 8, 4, 2, 2, 1};
+}
+
+}  // namespace cutlass_flash::sm80
