@@ -36,7 +36,10 @@ __global__ void __launch_bounds__(kRowKernelWarps * 32) bwd_preprocess_kernel(co
   const Element* dout = BlockInfo::slice<const Element>(params.dout, batch, head);
   for (int r = warp; r < kRowKernelRowsPerBlock; r += kRowKernelWarps) {
     const int row = blockIdx.x * kRowKernelRowsPerBlock + r;
-    if (row >= p.seqlen_q) break;
+    // dQ tiles are stored thread-major, so every row of every tile is zeroed, past seqlen_q too.
+    float4* dq_row = reinterpret_cast<float4*>(dq_accum + (bh_row + row) * kHeadDim);
+    for (int c = lane; c < kHeadDim / 4; c += 32) dq_row[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (row >= p.seqlen_q) continue;
     float acc = 0.f;
     for (int c = lane * 8; c < kHeadDim; c += 32 * 8) {
       const uint4 ov = *reinterpret_cast<const uint4*>(o + row * params.o.row_stride + c);
@@ -52,34 +55,37 @@ __global__ void __launch_bounds__(kRowKernelWarps * 32) bwd_preprocess_kernel(co
     acc += __shfl_xor_sync(0xffffffff, acc, 2);
     acc += __shfl_xor_sync(0xffffffff, acc, 1);
     if (lane == 0) dpsum[bh_row + row] = acc;
-    float4* dq_row = reinterpret_cast<float4*>(dq_accum + (bh_row + row) * kHeadDim);
-    for (int c = lane; c < kHeadDim / 4; c += 32) dq_row[c] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
 }
 
-template <int kHeadDim, typename Element>
-__global__ void __launch_bounds__(kRowKernelWarps * 32) bwd_convert_dq_kernel(const __grid_constant__ BwdParams params) {
+// dq = softmax_scale * dQ scratch, one thread block per query tile, each thread reading back the
+// accumulators it would have held in the main kernel's dQ MMA (coalesced) and writing them at
+// their (row, col).
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kNThreads) bwd_convert_dq_kernel(const __grid_constant__ BwdParams params) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
   const AttnProblem& p = params.problem;
   const BwdWorkspace ws = bwd_workspace_layout(p);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int head = blockIdx.y, batch = blockIdx.z;
+  const int tid = threadIdx.x, m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
   const int64_t bh_row = (int64_t(batch) * p.nheads + head) * ws.seqlen_q_rounded;
-  const float* dq_accum = reinterpret_cast<const float*>(static_cast<const char*>(params.workspace) + ws.dq_accum_offset);
-  Element* dq = BlockInfo::slice<Element>(params.dq, batch, head);
-  cutlass::NumericArrayConverter<Element, float, 8> convert;
-  for (int r = warp; r < kRowKernelRowsPerBlock; r += kRowKernelWarps) {
-    const int row = blockIdx.x * kRowKernelRowsPerBlock + r;
-    if (row >= p.seqlen_q) break;
-    const float* src = dq_accum + (bh_row + row) * kHeadDim;
-    for (int c = lane * 8; c < kHeadDim; c += 32 * 8) {
-      cutlass::Array<float, 8> v;
-      *reinterpret_cast<float4*>(&v[0]) = *reinterpret_cast<const float4*>(src + c);
-      *reinterpret_cast<float4*>(&v[4]) = *reinterpret_cast<const float4*>(src + c + 4);
-      CUTE_UNROLL
-      for (int i = 0; i < 8; ++i) v[i] *= p.softmax_scale;
-      const cutlass::Array<Element, 8> out = convert(v);
-      *reinterpret_cast<uint4*>(dq + row * params.dq.row_stride + c) = *reinterpret_cast<const uint4*>(&out);
-    }
+  const float* dq_tile = reinterpret_cast<const float*>(static_cast<const char*>(params.workspace) +
+                                                        ws.dq_accum_offset) +
+                         bh_row * kHeadDim + m_block * (kBlockM * kHeadDim);
+  typename Traits::TiledMmadQ mma_dq;
+  auto thr_dq = mma_dq.get_thread_slice(tid);
+  Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_dq); ++i) acc_dq(i) = dq_tile[dq_accum_index<Traits>(i, tid)] * p.softmax_scale;
+  Tensor rdq = convert_type<Element>(acc_dq);
+  Tensor mdq = make_tensor(make_gmem_ptr(BlockInfo::slice<Element>(params.dq, batch, head)),
+                           make_shape(p.seqlen_q, Int<kHeadDim>{}), make_stride(params.dq.row_stride, _1{}));
+  Tensor tdq = thr_dq.partition_C(local_tile(mdq, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0)));
+  Tensor tcoord = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  const int rows_left = p.seqlen_q - m_block * kBlockM;
+  CUTE_UNROLL
+  for (int i = 0; i < size(rdq); ++i) {
+    if (get<0>(tcoord(i)) < rows_left) tdq(i) = rdq(i);
   }
 }
 
@@ -123,16 +129,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
   float* dq_accum = reinterpret_cast<float*>(workspace + ws.dq_accum_offset) + bh_row * kHeadDim;
   const float* dpsum = reinterpret_cast<const float*>(workspace + ws.dpsum_offset) + bh_row;
   const float* lse = params.lse + (int64_t(batch) * p.nheads + head) * p.seqlen_q;
-  Tensor gdQacc = local_tile(make_tensor(make_gmem_ptr(dq_accum), make_shape(int(ws.seqlen_q_rounded), Int<kHeadDim>{}),
-                                         make_stride(Int<kHeadDim>{}, _1{})),
-                             QTile{}, make_coord(_, 0));
 
   Tensor acc_dk = partition_fragment_C(typename Traits::TiledMmadKV{}, KTile{});
   Tensor acc_dv = partition_fragment_C(typename Traits::TiledMmadKV{}, KTile{});
   clear(acc_dk);
   clear(acc_dv);
   if (m_min < m_max) {
-    BwdMainloop<Traits>::run(gQ, gdO, gK, gV, gdQacc, lse, dpsum, smem, mask, n_block, m_min, m_max,
+    BwdMainloop<Traits>::run(gQ, gdO, gK, gV, dq_accum, lse, dpsum, smem, mask, n_block, m_min, m_max,
                              p.softmax_scale * float(M_LOG2E), acc_dk, acc_dv);
   }
   BwdEpilogue<Traits>::store(acc_dk, acc_dv, gdK, gdV, p.softmax_scale, smem, p.seqlen_k - n_block * kBlockN);

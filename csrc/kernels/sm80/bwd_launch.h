@@ -17,18 +17,20 @@ Status run_bwd(const BwdParams& params, cudaStream_t stream) {
   using Traits = BwdTraits<kHeadDim, kTile.block_m, kTile.block_n, kTile.warps, kTile.atom_m_sdp, kTile.atom_n_dkv,
                            kTile.atom_m_dq, kTile.q_stages, Element>;
   const AttnProblem& p = params.problem;
-  const dim3 row_grid(ceil_div(p.seqlen_q, kRowKernelRowsPerBlock), p.nheads, p.batch);
-
+  // The preprocess also zeroes the dQ scratch, all seqlen_q_rounded rows of it.
+  const int rows = int(bwd_workspace_layout(p).seqlen_q_rounded);
+  const dim3 row_grid(ceil_div(rows, kRowKernelRowsPerBlock), p.nheads, p.batch);
   bwd_preprocess_kernel<kHeadDim, Element><<<row_grid, kRowKernelWarps * 32, 0, stream>>>(params);
   if (Status s = cuda_status(cudaGetLastError(), "sm80 backward preprocess launch"); !s.ok()) return s;
 
-  auto kernel = bwd_kernel<Traits>;
-  if (Status s = ensure_smem_limit(kernel, Traits::kSmemBytes); !s.ok()) return s;
+  constexpr auto kernel = bwd_kernel<Traits>;
+  if (Status s = ensure_smem_limit<kernel>(Traits::kSmemBytes); !s.ok()) return s;
   const dim3 grid = GridTileScheduler::grid(ceil_div(p.seqlen_k, kTile.block_n), p.nheads, p.batch);
   kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(params);
   if (Status s = cuda_status(cudaGetLastError(), "sm80 backward launch"); !s.ok()) return s;
 
-  bwd_convert_dq_kernel<kHeadDim, Element><<<row_grid, kRowKernelWarps * 32, 0, stream>>>(params);
+  const dim3 q_grid(ceil_div(p.seqlen_q, kTile.block_m), p.nheads, p.batch);
+  bwd_convert_dq_kernel<Traits><<<q_grid, Traits::kNThreads, 0, stream>>>(params);
   return cuda_status(cudaGetLastError(), "sm80 backward dQ conversion launch");
 }
 

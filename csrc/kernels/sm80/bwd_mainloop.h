@@ -17,6 +17,15 @@ namespace cutlass_flash::sm80 {
 
 using namespace cute;
 
+// Position of a thread's i-th dQ accumulator inside its fp32 scratch tile: thread-major, so each
+// atomicAdd instruction of a warp covers 32 consecutive floats (4 full 32-byte sectors) instead of
+// 8 rows x 4 column pairs of the MMA layout (8 half-used sectors). The dQ conversion kernel
+// reads the tile back with the same map.
+template <typename Traits>
+__device__ __forceinline__ int dq_accum_index(int i, int tid) {
+  return i * Traits::kNThreads + tid;
+}
+
 template <typename Traits>
 struct BwdMainloop {
   using Element = typename Traits::Element;
@@ -25,11 +34,12 @@ struct BwdMainloop {
   static constexpr int kHeadDim = Traits::kHeadDim;
   static constexpr int kQStages = Traits::kQStages;
 
-  // gQ, gdO: (kBlockM, d, num_m); gK, gV: (kBlockN, d); gdQacc: fp32 (kBlockM, d, num_m);
-  // lse, dpsum: this (batch, head)'s rows. Runs query blocks [m_min, m_max).
-  template <typename TensorQ, typename TensorK, typename TensorDQ, typename TensorAcc>
+  // gQ, gdO: (kBlockM, d, num_m); gK, gV: (kBlockN, d); dq_accum: this (batch, head)'s fp32 dQ
+  // tiles in thread-major order (dq_accum_index); lse, dpsum: this (batch, head)'s rows. Runs
+  // query blocks [m_min, m_max).
+  template <typename TensorQ, typename TensorK, typename TensorAcc>
   __device__ static void run(const TensorQ& gQ, const TensorQ& gdO, const TensorK& gK, const TensorK& gV,
-                             const TensorDQ& gdQacc, const float* lse, const float* dpsum, char* smem,
+                             float* dq_accum, const float* lse, const float* dpsum, char* smem,
                              const WindowMask& mask, int n_block, int m_min, int m_max, float scale_log2,
                              TensorAcc& acc_dk, TensorAcc& acc_dv) {
     const int tid = threadIdx.x;
@@ -115,7 +125,6 @@ struct BwdMainloop {
     auto copy_b_dq = make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, mma_dq);
     auto thr_b_dq = copy_b_dq.get_thread_slice(tid);
     Tensor tdQsKt = thr_b_dq.partition_S(sKt);
-    Tensor tdQgdQ = thr_dq.partition_C(gdQacc);  // (MMA, MMA_M, MMA_N, num_m)
 
     const int seqlen_q = mask.seqlen_q;
     const int rows_k = mask.seqlen_k - n_block * kBlockN;
@@ -194,9 +203,9 @@ struct BwdMainloop {
       Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
       clear(acc_dq);
       gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, copy_a_dq, copy_b_dq, thr_a_dq, thr_b_dq);
-      Tensor tdQgdQ_m = tdQgdQ(_, _, _, m);
+      float* dq_tile = dq_accum + m * (kBlockM * kHeadDim);
       CUTE_UNROLL
-      for (int i = 0; i < size(acc_dq); ++i) atomicAdd(&tdQgdQ_m(i), acc_dq(i));
+      for (int i = 0; i < size(acc_dq); ++i) atomicAdd(dq_tile + dq_accum_index<Traits>(i, tid), acc_dq(i));
       if (kQStages == 2) stage ^= 1;
     }
   }

@@ -16,9 +16,10 @@ inline Status cuda_status(cudaError_t err, const char* what) {
 }
 
 // Raises a kernel's dynamic shared-memory limit once per device (cudaFuncSetAttribute is per
-// device), so the per-call path does no attribute work after the first launch.
-template <typename Kernel>
-Status ensure_smem_limit(Kernel kernel, int smem_bytes) {
+// device), so the per-call path does no attribute work after the first launch. The flags are per
+// kernel: a template parameter, not the kernel's type, which every kernel of a direction shares.
+template <auto kKernel>
+Status ensure_smem_limit(int smem_bytes) {
   if (smem_bytes <= 48 * 1024) return Status::Ok();
   constexpr int kMaxDevices = 64;
   static std::atomic<bool> done[kMaxDevices] = {};
@@ -26,7 +27,7 @@ Status ensure_smem_limit(Kernel kernel, int smem_bytes) {
   if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return cuda_status(err, "cudaGetDevice");
   if (device < kMaxDevices && done[device].load(std::memory_order_acquire)) return Status::Ok();
   Status s = cuda_status(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes),
+      cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes),
       "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
   if (s.ok() && device < kMaxDevices) done[device].store(true, std::memory_order_release);
   return s;

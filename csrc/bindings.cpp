@@ -1,0 +1,173 @@
+// cutlass_flash._C: a thin pybind11 module over the kernel library (cutlass_flash/api.h).
+// No torch header: tensors arrive as (ptr, batch_stride, row_stride, head_stride) tuples of ints
+// (strides in elements), the stream as the integer value of a cudaStream_t. A non-ok Status
+// raises: kNotBuilt -> NotImplementedError, kInvalidArgument -> ValueError, kCudaError ->
+// RuntimeError.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "cutlass_flash/api.h"
+#include "cutlass_flash/params.h"
+#include "dispatch/table.h"
+#include "dispatch/validate.h"
+
+namespace py = pybind11;
+using namespace cutlass_flash;
+
+namespace {
+
+using Tensor = std::tuple<uintptr_t, int64_t, int64_t, int64_t>;
+
+[[noreturn]] void raise(const Status& s) {
+  switch (s.code) {
+    case Status::kNotBuilt:
+      PyErr_SetString(PyExc_NotImplementedError, s.message.c_str());
+      throw py::error_already_set();
+    case Status::kInvalidArgument:
+      throw py::value_error(s.message);
+    default:
+      throw std::runtime_error(s.message.empty() ? "cutlass_flash: CUDA error" : s.message);
+  }
+}
+
+void check(const Status& s) {
+  if (!s.ok()) raise(s);
+}
+
+DType parse_dtype(const std::string& name) {
+  if (name == "fp16") return DType::kFloat16;
+  if (name == "bf16") return DType::kBFloat16;
+  throw py::value_error("cutlass_flash: dtype must be 'fp16' or 'bf16', got '" + name + "'");
+}
+
+TensorRef4 tensor(const Tensor& t) {
+  TensorRef4 r;
+  r.ptr = reinterpret_cast<void*>(std::get<0>(t));
+  r.batch_stride = std::get<1>(t);
+  r.row_stride = std::get<2>(t);
+  r.head_stride = std::get<3>(t);
+  return r;
+}
+
+AttnProblem problem(int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_kv, int head_dim,
+                    float softmax_scale, int window_left, int window_right, const std::string& dtype) {
+  AttnProblem p;
+  p.batch = batch;
+  p.seqlen_q = seqlen_q;
+  p.seqlen_k = seqlen_k;
+  p.nheads = nheads;
+  p.nheads_kv = nheads_kv;
+  p.head_dim = head_dim;
+  p.softmax_scale = softmax_scale;
+  p.window_left = window_left;
+  p.window_right = window_right;
+  p.dtype = parse_dtype(dtype);
+  return p;
+}
+
+cudaStream_t as_stream(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
+
+void fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, uintptr_t lse,
+         int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_kv, int head_dim,
+         float softmax_scale, int window_left, int window_right, const std::string& dtype, int arch,
+         uintptr_t stream) {
+  FwdParams params;
+  params.problem = problem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, softmax_scale,
+                           window_left, window_right, dtype);
+  params.q = tensor(q);
+  params.k = tensor(k);
+  params.v = tensor(v);
+  params.o = tensor(o);
+  params.lse = reinterpret_cast<float*>(lse);
+  Status s;
+  {
+    py::gil_scoped_release nogil;
+    s = run_fwd(params, arch, as_stream(stream));
+  }
+  check(s);
+}
+
+void bwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& dout,
+         uintptr_t lse, const Tensor& dq, const Tensor& dk, const Tensor& dv, uintptr_t workspace,
+         int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_kv, int head_dim,
+         float softmax_scale, int window_left, int window_right, const std::string& dtype, int arch,
+         uintptr_t stream) {
+  BwdParams params;
+  params.problem = problem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, softmax_scale,
+                           window_left, window_right, dtype);
+  params.q = tensor(q);
+  params.k = tensor(k);
+  params.v = tensor(v);
+  params.o = tensor(o);
+  params.dout = tensor(dout);
+  params.lse = reinterpret_cast<const float*>(lse);
+  params.dq = tensor(dq);
+  params.dk = tensor(dk);
+  params.dv = tensor(dv);
+  params.workspace = reinterpret_cast<void*>(workspace);
+  Status s;
+  {
+    py::gil_scoped_release nogil;
+    s = run_bwd(params, arch, as_stream(stream));
+  }
+  check(s);
+}
+
+size_t workspace_bytes(int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_kv,
+                       int head_dim, float softmax_scale, int window_left, int window_right,
+                       const std::string& dtype, int arch) {
+  const AttnProblem p = problem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim,
+                                softmax_scale, window_left, window_right, dtype);
+  check(dispatch::check_problem(p, arch, Direction::kBackward));
+  return bwd_workspace_bytes(p, arch);
+}
+
+py::list built() {
+  py::list out;
+  for (const KernelKey& k : built_kernels())
+    out.append(py::make_tuple(k.arch, k.direction == Direction::kForward ? "fwd" : "bwd",
+                              k.head_dim, dispatch::dtype_name(k.dtype)));
+  return out;
+}
+
+py::dict build_config() {
+  py::dict d;
+  const dispatch::Table& t = dispatch::table();
+  for (size_t i = 0; i < t.num_knobs; ++i) d[t.knobs[i].name] = t.knobs[i].value;
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "cutlass_flash kernel library bindings (pointers and strides in, no torch)";
+
+  // Problem keyword arguments shared by fwd, bwd and bwd_workspace_bytes.
+#define CUTLASS_FLASH_PROBLEM_ARGS                                                            \
+  py::arg("batch"), py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("nheads"),              \
+      py::arg("nheads_kv"), py::arg("head_dim"), py::arg("softmax_scale"),                    \
+      py::arg("window_left"), py::arg("window_right"), py::arg("dtype")
+
+  m.def("fwd", &fwd, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"), py::arg("lse_ptr"),
+        py::kw_only(), CUTLASS_FLASH_PROBLEM_ARGS, py::arg("arch"), py::arg("stream"),
+        "Forward pass. q/k/v/o: (ptr, batch_stride, row_stride, head_stride) in elements, the "
+        "last dim contiguous; lse_ptr: float32 (batch, nheads, seqlen_q), contiguous; dtype: "
+        "'fp16' | 'bf16'; arch: kernel family (80); stream: cudaStream_t as an int. Asynchronous.");
+  m.def("bwd", &bwd, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"), py::arg("dout"),
+        py::arg("lse_ptr"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("workspace_ptr"),
+        py::kw_only(), CUTLASS_FLASH_PROBLEM_ARGS, py::arg("arch"), py::arg("stream"),
+        "Backward pass. dk/dv are per query head (batch, seqlen_k, nheads, head_dim); "
+        "workspace_ptr: bwd_workspace_bytes(...) bytes, 256-byte aligned, need not be zeroed.");
+  m.def("bwd_workspace_bytes", &workspace_bytes, py::kw_only(), CUTLASS_FLASH_PROBLEM_ARGS,
+        py::arg("arch"), "Scratch bytes bwd needs for this problem.");
+#undef CUTLASS_FLASH_PROBLEM_ARGS
+  m.def("built_kernels", &built,
+        "The instantiations of this build: [(arch, 'fwd'|'bwd', head_dim, 'fp16'|'bf16')].");
+  m.def("build_config", &build_config,
+        "The build knobs this library was built with, {env var: value}.");
+}

@@ -1,0 +1,281 @@
+// Host side of the kernel library (csrc/include/cutlass_flash/api.h): checks the parameters and
+// dispatches to the instantiation the build's generated table lists. Errors are Status values;
+// nothing here aborts or lets an exception escape. No torch, no Python, no CuTe.
+#include "cutlass_flash/api.h"
+
+#include <cmath>
+#include <cstdint>
+#include <exception>
+#include <string>
+#include <vector>
+
+#include "cutlass_flash/params.h"
+#include "dispatch/table.h"
+#include "dispatch/validate.h"
+#include "kernels/sm80/workspace.h"
+
+namespace cutlass_flash {
+namespace dispatch {
+namespace {
+
+using std::to_string;
+
+const char* direction_word(Direction d) { return d == Direction::kForward ? "forward" : "backward"; }
+
+std::string prefix(Direction d) { return std::string("cutlass_flash ") + direction_word(d) + ": "; }
+
+Status make(Status::Code code, std::string message) { return Status{code, std::move(message)}; }
+
+bool dtype_known(DType d) { return d == DType::kFloat16 || d == DType::kBFloat16; }
+
+const CatalogFamily* find_family(int arch) {
+  const Table& t = table();
+  for (size_t i = 0; i < t.num_catalog; ++i)
+    if (t.catalog[i].arch == arch) return &t.catalog[i];
+  return nullptr;
+}
+
+template <typename T>
+bool contains(const T* xs, size_t n, T x) {
+  for (size_t i = 0; i < n; ++i)
+    if (xs[i] == x) return true;
+  return false;
+}
+
+std::string join_ints(const int* xs, size_t n) {
+  std::string s;
+  for (size_t i = 0; i < n; ++i) s += (i ? ", " : "") + to_string(xs[i]);
+  return s;
+}
+
+std::string known_families() {
+  const Table& t = table();
+  std::string s;
+  for (size_t i = 0; i < t.num_catalog; ++i) s += (i ? ", " : "") + to_string(t.catalog[i].arch);
+  return s;
+}
+
+// Elements of 16-bit types per 16 bytes: the kernels move Q/K/V/O/dO in 16-byte vectors.
+constexpr int64_t kVecElems = 8;
+constexpr uintptr_t kVecBytes = 16;
+
+// One (batch, seqlen, heads, head_dim) tensor. A stride is checked only where its dimension has
+// more than one index: torch reports arbitrary strides (0 after expand(), say) for size-1
+// dimensions, and the kernels never multiply them by anything but 0.
+Status check_tensor(Direction dir, const char* name, const TensorRef4& t, const AttnProblem& p,
+                    int seqlen, int heads) {
+  if (t.ptr == nullptr) return make(Status::kInvalidArgument, prefix(dir) + name + " is a null pointer");
+  if (reinterpret_cast<uintptr_t>(t.ptr) % kVecBytes != 0)
+    return make(Status::kInvalidArgument,
+                prefix(dir) + name + " is not 16-byte aligned (the kernels load 16-byte vectors)");
+  struct Dim {
+    const char* stride_name;
+    int64_t stride;
+    int64_t extent;
+  } dims[] = {{"batch_stride", t.batch_stride, p.batch},
+              {"row_stride", t.row_stride, seqlen},
+              {"head_stride", t.head_stride, heads}};
+  for (const Dim& d : dims) {
+    if (d.extent <= 1) continue;
+    if (d.stride <= 0)
+      return make(Status::kInvalidArgument, prefix(dir) + name + "." + d.stride_name + " = " +
+                                                to_string(d.stride) + " must be positive");
+    if (d.stride % kVecElems != 0)
+      return make(Status::kInvalidArgument,
+                  prefix(dir) + name + "." + d.stride_name + " = " + to_string(d.stride) +
+                      " must be a multiple of 8 elements (16 bytes); make the tensor contiguous");
+  }
+  return Status::Ok();
+}
+
+Status check_scalar_ptr(Direction dir, const char* name, const void* ptr, uintptr_t align) {
+  if (ptr == nullptr) return make(Status::kInvalidArgument, prefix(dir) + name + " is a null pointer");
+  if (reinterpret_cast<uintptr_t>(ptr) % align != 0)
+    return make(Status::kInvalidArgument,
+                prefix(dir) + name + " is not " + to_string(align) + "-byte aligned");
+  return Status::Ok();
+}
+
+std::string knob_value(const char* name) {
+  const Table& t = table();
+  for (size_t i = 0; i < t.num_knobs; ++i)
+    if (std::string(t.knobs[i].name) == name) return t.knobs[i].value;
+  return "";
+}
+
+std::string with_added(const std::string& list, const std::string& item) {
+  return list.empty() ? item : list + "," + item;
+}
+
+// The table has no entry for a key of a known family with an instantiated head dim: say which
+// knob left it out.
+Status not_built(const KernelKey& key) {
+  const Table& t = table();
+  const std::string hd = to_string(key.head_dim);
+  const std::string dt = dtype_name(key.dtype);
+  std::vector<std::string> fixes;
+  if (!contains(t.archs, t.num_archs, key.arch))
+    fixes.push_back(std::string("CUTLASS_FLASH_ARCHS including ") + to_string(key.arch) +
+                    " (e.g. CUTLASS_FLASH_ARCHS=" + with_added(knob_value("CUTLASS_FLASH_ARCHS"), to_string(key.arch)) + ")");
+  if (!contains(t.head_dims, t.num_head_dims, key.head_dim))
+    fixes.push_back("CUTLASS_FLASH_HEAD_DIMS including " + hd + " (e.g. CUTLASS_FLASH_HEAD_DIMS=" +
+                    with_added(knob_value("CUTLASS_FLASH_HEAD_DIMS"), hd) + ")");
+  if (!contains(t.dtypes, t.num_dtypes, key.dtype))
+    fixes.push_back("CUTLASS_FLASH_DTYPES including " + dt + " (e.g. CUTLASS_FLASH_DTYPES=" +
+                    with_added(knob_value("CUTLASS_FLASH_DTYPES"), dt) + ")");
+  if (key.direction == Direction::kBackward && t.fwd_only)
+    fixes.push_back("CUTLASS_FLASH_FWD_ONLY unset (or 0)");
+  std::string fix;
+  for (size_t i = 0; i < fixes.size(); ++i) fix += (i ? " and " : "") + fixes[i];
+  if (fix.empty()) fix = "the default knobs";
+  return make(Status::kNotBuilt,
+              "cutlass_flash was built without the sm" + to_string(key.arch) + " " +
+                  direction_word(key.direction) + " kernel for head_dim " + hd + ", " + dt +
+                  "; rebuild with " + fix + ". This build: " + build_config());
+}
+
+const Entry* find_entry(const KernelKey& key) {
+  const Table& t = table();
+  for (size_t i = 0; i < t.num_entries; ++i) {
+    const KernelKey& k = t.entries[i].key;
+    if (k.arch == key.arch && k.direction == key.direction && k.head_dim == key.head_dim &&
+        k.dtype == key.dtype)
+      return &t.entries[i];
+  }
+  return nullptr;
+}
+
+Status internal_error(Direction dir, const char* what) {
+  return make(Status::kCudaError, prefix(dir) + "internal error: " + what);
+}
+
+}  // namespace
+
+const char* dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat16: return "fp16";
+    case DType::kBFloat16: return "bf16";
+  }
+  return "unknown dtype";
+}
+
+std::string build_config() {
+  const Table& t = table();
+  std::string s;
+  for (size_t i = 0; i < t.num_knobs; ++i)
+    s += std::string(i ? " " : "") + t.knobs[i].name + "=" + t.knobs[i].value;
+  return s;
+}
+
+Status check_problem(const AttnProblem& p, int arch, Direction dir) {
+  const struct {
+    const char* name;
+    int value;
+  } sizes[] = {{"batch", p.batch},     {"seqlen_q", p.seqlen_q},   {"seqlen_k", p.seqlen_k},
+               {"nheads", p.nheads},   {"nheads_kv", p.nheads_kv}, {"head_dim", p.head_dim}};
+  for (const auto& s : sizes)
+    if (s.value <= 0)
+      return make(Status::kInvalidArgument,
+                  prefix(dir) + s.name + " = " + to_string(s.value) + " must be positive");
+  if (p.nheads % p.nheads_kv != 0)
+    return make(Status::kInvalidArgument, prefix(dir) + "nheads = " + to_string(p.nheads) +
+                                              " must be a multiple of nheads_kv = " + to_string(p.nheads_kv));
+  if (!dtype_known(p.dtype))
+    return make(Status::kInvalidArgument,
+                prefix(dir) + "unknown dtype value " + to_string(static_cast<int>(p.dtype)));
+  if (!std::isfinite(p.softmax_scale))
+    return make(Status::kInvalidArgument, prefix(dir) + "softmax_scale must be finite");
+  const CatalogFamily* fam = find_family(arch);
+  if (fam == nullptr)
+    return make(Status::kInvalidArgument, prefix(dir) + "unknown kernel family arch = " +
+                                              to_string(arch) + " (known: " + known_families() + ")");
+  if (!contains(fam->head_dims, fam->num_head_dims, p.head_dim))
+    return make(Status::kInvalidArgument,
+                prefix(dir) + "head_dim = " + to_string(p.head_dim) +
+                    " is not an instantiated size of the sm" + to_string(arch) + " family (" +
+                    join_ints(fam->head_dims, fam->num_head_dims) + "); pad the head dim up to the next one");
+  if ((dir == Direction::kForward && !fam->has_fwd) || (dir == Direction::kBackward && !fam->has_bwd))
+    return make(Status::kNotBuilt, "cutlass_flash has no " + std::string(direction_word(dir)) +
+                                       " kernel in the sm" + to_string(arch) + " family");
+  return Status::Ok();
+}
+
+}  // namespace dispatch
+
+Status run_fwd(const FwdParams& params, int arch, cudaStream_t stream) {
+  constexpr Direction dir = Direction::kForward;
+  try {
+    const AttnProblem& p = params.problem;
+    if (Status s = dispatch::check_problem(p, arch, dir); !s.ok()) return s;
+    const Status checks[] = {
+        dispatch::check_tensor(dir, "q", params.q, p, p.seqlen_q, p.nheads),
+        dispatch::check_tensor(dir, "k", params.k, p, p.seqlen_k, p.nheads_kv),
+        dispatch::check_tensor(dir, "v", params.v, p, p.seqlen_k, p.nheads_kv),
+        dispatch::check_tensor(dir, "o", params.o, p, p.seqlen_q, p.nheads),
+        dispatch::check_scalar_ptr(dir, "lse", params.lse, alignof(float)),
+    };
+    for (const Status& s : checks)
+      if (!s.ok()) return s;
+    const KernelKey key{arch, dir, p.head_dim, p.dtype};
+    const dispatch::Entry* e = dispatch::find_entry(key);
+    if (e == nullptr || e->fwd == nullptr) return dispatch::not_built(key);
+    return e->fwd(params, stream);
+  } catch (const std::exception& ex) {
+    return dispatch::internal_error(dir, ex.what());
+  } catch (...) {
+    return dispatch::internal_error(dir, "unknown exception");
+  }
+}
+
+Status run_bwd(const BwdParams& params, int arch, cudaStream_t stream) {
+  constexpr Direction dir = Direction::kBackward;
+  try {
+    const AttnProblem& p = params.problem;
+    if (Status s = dispatch::check_problem(p, arch, dir); !s.ok()) return s;
+    const Status checks[] = {
+        dispatch::check_tensor(dir, "q", params.q, p, p.seqlen_q, p.nheads),
+        dispatch::check_tensor(dir, "k", params.k, p, p.seqlen_k, p.nheads_kv),
+        dispatch::check_tensor(dir, "v", params.v, p, p.seqlen_k, p.nheads_kv),
+        dispatch::check_tensor(dir, "o", params.o, p, p.seqlen_q, p.nheads),
+        dispatch::check_tensor(dir, "dout", params.dout, p, p.seqlen_q, p.nheads),
+        dispatch::check_scalar_ptr(dir, "lse", params.lse, alignof(float)),
+        dispatch::check_tensor(dir, "dq", params.dq, p, p.seqlen_q, p.nheads),
+        // dk and dv are per query head (the caller sums each group for GQA/MQA).
+        dispatch::check_tensor(dir, "dk", params.dk, p, p.seqlen_k, p.nheads),
+        dispatch::check_tensor(dir, "dv", params.dv, p, p.seqlen_k, p.nheads),
+        dispatch::check_scalar_ptr(dir, "workspace", params.workspace, 256),
+    };
+    for (const Status& s : checks)
+      if (!s.ok()) return s;
+    const KernelKey key{arch, dir, p.head_dim, p.dtype};
+    const dispatch::Entry* e = dispatch::find_entry(key);
+    if (e == nullptr || e->bwd == nullptr) return dispatch::not_built(key);
+    return e->bwd(params, stream);
+  } catch (const std::exception& ex) {
+    return dispatch::internal_error(dir, ex.what());
+  } catch (...) {
+    return dispatch::internal_error(dir, "unknown exception");
+  }
+}
+
+size_t bwd_workspace_bytes(const AttnProblem& problem, int arch) {
+  if (problem.batch <= 0 || problem.nheads <= 0 || problem.seqlen_q <= 0 || problem.head_dim <= 0)
+    return 0;
+  switch (arch) {
+    case 80: return sm80::bwd_workspace_layout(problem).total_bytes;
+    default: return 0;  // no backward kernel in that family (or no such family)
+  }
+}
+
+const std::vector<KernelKey>& built_kernels() {
+  static const std::vector<KernelKey> keys = [] {
+    std::vector<KernelKey> v;
+    const dispatch::Table& t = dispatch::table();
+    v.reserve(t.num_entries);
+    for (size_t i = 0; i < t.num_entries; ++i) v.push_back(t.entries[i].key);
+    return v;
+  }();
+  return keys;
+}
+
+}  // namespace cutlass_flash

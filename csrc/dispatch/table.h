@@ -1,0 +1,61 @@
+// The dispatch table of a build. Its one definition, `table()`, is generated per build by
+// csrc/generate.py into the build directory: it lists only the instantiations the build's knobs
+// selected, plus the catalogue of every family the generator knows (for error messages).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+
+#include "cutlass_flash/api.h"
+#include "cutlass_flash/params.h"
+
+namespace cutlass_flash::dispatch {
+
+using FwdFn = Status (*)(const FwdParams&, cudaStream_t);
+using BwdFn = Status (*)(const BwdParams&, cudaStream_t);
+
+// One built instantiation; `fwd` is set for Direction::kForward keys, `bwd` for kBackward.
+struct Entry {
+  KernelKey key;
+  FwdFn fwd;
+  BwdFn bwd;
+};
+
+// One kernel family the generator knows, whether or not this build contains it.
+struct CatalogFamily {
+  int arch;
+  bool has_fwd;
+  bool has_bwd;
+  const int* head_dims;
+  size_t num_head_dims;
+  const char* sass_knob;  // e.g. "CUTLASS_FLASH_SM80_SASS"
+};
+
+// A build knob as it was set for this build ("CUTLASS_FLASH_HEAD_DIMS", "64,128").
+struct Knob {
+  const char* name;
+  const char* value;
+};
+
+struct Table {
+  const Entry* entries;
+  size_t num_entries;
+  const CatalogFamily* catalog;
+  size_t num_catalog;
+  // The selection knobs of this build.
+  const int* archs;
+  size_t num_archs;
+  const int* head_dims;
+  size_t num_head_dims;
+  const DType* dtypes;
+  size_t num_dtypes;
+  bool fwd_only;
+  const Knob* knobs;
+  size_t num_knobs;
+};
+
+// Defined in the build's generated dispatch_table.cpp.
+const Table& table();
+
+}  // namespace cutlass_flash::dispatch

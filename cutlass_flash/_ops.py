@@ -1,0 +1,226 @@
+"""The PyTorch operators (torch.library custom ops) and the public flash_attn_func.
+
+Ops (visible to torch.compile as single nodes, with fake and autograd implementations):
+
+  cutlass_flash::fwd(q, k, v, softmax_scale, window_left, window_right, arch) -> (out, lse)
+  cutlass_flash::bwd(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch)
+      -> (dq, dk, dv)
+
+q: (batch, seqlen_q, nheads, head_dim); k, v: (batch, seqlen_k, nheads_kv, head_dim); last dim
+contiguous. out: like q (contiguous); lse: float32 (batch, nheads, seqlen_q), natural log, +inf for
+rows that see no key. dq, dk, dv: contiguous, shaped like q, k, v. The window is relative to the
+bottom-right-aligned diagonal: (-1, -1) no mask, (-1, 0) causal. arch: kernel family, 0 = auto.
+Head dims that are not instantiated are zero-padded here and the results sliced back.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from . import _dispatch, _validate
+
+_Tensor = torch.Tensor
+
+
+def _ref4(t):
+    s = t.stride()
+    return (t.data_ptr(), s[0], s[1], s[2])
+
+
+def _problem(q, k, head_dim, softmax_scale, window_left, window_right, dtype_name):
+    batch, seqlen_q, nheads, _ = q.shape
+    return dict(
+        batch=batch,
+        seqlen_q=seqlen_q,
+        seqlen_k=k.shape[1],
+        nheads=nheads,
+        nheads_kv=k.shape[2],
+        head_dim=head_dim,
+        softmax_scale=softmax_scale,
+        window_left=window_left,
+        window_right=window_right,
+        dtype=dtype_name,
+    )
+
+
+def _pad(t, pad):
+    return F.pad(t, (0, pad)) if pad else t
+
+
+@torch.library.custom_op("cutlass_flash::fwd", mutates_args=())
+def fwd_op(
+    q: _Tensor,
+    k: _Tensor,
+    v: _Tensor,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    arch: int,
+) -> tuple[_Tensor, _Tensor]:
+    _validate.check_op_tensors(q, k, v)
+    batch, seqlen_q, nheads, head_dim = q.shape
+    padded = _dispatch.padded_head_dim(head_dim)
+    dtype_name = _dispatch.DTYPE_NAMES[q.dtype]
+    device = q.device
+    arch = _dispatch.resolve_arch(arch, "fwd", padded, dtype_name, device)
+    C = _dispatch.lib()
+
+    pad = padded - head_dim
+    q, k, v = _pad(q, pad), _pad(k, pad), _pad(v, pad)
+    out = torch.empty((batch, seqlen_q, nheads, padded), dtype=q.dtype, device=device)
+    lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=device)
+    _dispatch.launch(
+        C.fwd,
+        device,
+        _ref4(q),
+        _ref4(k),
+        _ref4(v),
+        _ref4(out),
+        lse.data_ptr(),
+        **_problem(q, k, padded, softmax_scale, window_left, window_right, dtype_name),
+        arch=arch,
+        stream=_dispatch.current_stream(device),
+    )
+    if pad:
+        out = out[..., :head_dim].contiguous()
+    return out, lse
+
+
+@fwd_op.register_fake
+def _fwd_fake(q, k, v, softmax_scale, window_left, window_right, arch):
+    batch, seqlen_q, nheads, head_dim = q.shape
+    out = q.new_empty((batch, seqlen_q, nheads, head_dim))
+    lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.custom_op("cutlass_flash::bwd", mutates_args=())
+def bwd_op(
+    dout: _Tensor,
+    q: _Tensor,
+    k: _Tensor,
+    v: _Tensor,
+    out: _Tensor,
+    lse: _Tensor,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    arch: int,
+) -> tuple[_Tensor, _Tensor, _Tensor]:
+    # dout comes from autograd in any layout (e.g. expanded, with stride 0): copy if needed.
+    if not _validate.is_kernel_layout(dout):
+        dout = dout.clone(memory_format=torch.contiguous_format)
+    if not _validate.is_kernel_layout(out):
+        out = out.clone(memory_format=torch.contiguous_format)
+    _validate.check_op_tensors(q, k, v, ("out", out, q.shape), ("dout", dout, q.shape))
+    batch, seqlen_q, nheads, head_dim = q.shape
+    _, seqlen_k, nheads_kv, _ = k.shape
+    if lse.shape != (batch, nheads, seqlen_q) or lse.dtype != torch.float32:
+        raise ValueError(
+            f"lse must be float32 of shape {(batch, nheads, seqlen_q)}, got {lse.dtype} "
+            f"{tuple(lse.shape)}"
+        )
+    padded = _dispatch.padded_head_dim(head_dim)
+    dtype_name = _dispatch.DTYPE_NAMES[q.dtype]
+    device = q.device
+    arch = _dispatch.resolve_arch(arch, "bwd", padded, dtype_name, device)
+    C = _dispatch.lib()
+
+    pad = padded - head_dim
+    q, k, v, out, dout = (_pad(t, pad) for t in (q, k, v, out, dout))
+    lse = lse.contiguous()
+    problem = _problem(q, k, padded, softmax_scale, window_left, window_right, dtype_name)
+    dq = torch.empty((batch, seqlen_q, nheads, padded), dtype=q.dtype, device=device)
+    # The kernel writes dK and dV per query head; GQA/MQA groups are summed below.
+    dk = torch.empty((batch, seqlen_k, nheads, padded), dtype=q.dtype, device=device)
+    dv = torch.empty_like(dk)
+    workspace = torch.empty(
+        C.bwd_workspace_bytes(**problem, arch=arch), dtype=torch.uint8, device=device
+    )
+    _dispatch.launch(
+        C.bwd,
+        device,
+        _ref4(q),
+        _ref4(k),
+        _ref4(v),
+        _ref4(out),
+        _ref4(dout),
+        lse.data_ptr(),
+        _ref4(dq),
+        _ref4(dk),
+        _ref4(dv),
+        workspace.data_ptr(),
+        **problem,
+        arch=arch,
+        stream=_dispatch.current_stream(device),
+    )
+    if pad:
+        dq = dq[..., :head_dim].contiguous()
+    if nheads_kv != nheads:
+        group = nheads // nheads_kv
+        dk = dk.view(batch, seqlen_k, nheads_kv, group, padded)[..., :head_dim].sum(3)
+        dv = dv.view(batch, seqlen_k, nheads_kv, group, padded)[..., :head_dim].sum(3)
+    elif pad:
+        dk = dk[..., :head_dim].contiguous()
+        dv = dv[..., :head_dim].contiguous()
+    return dq, dk, dv
+
+
+@bwd_op.register_fake
+def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, softmax_scale, window_left, window_right, arch = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.softmax_scale = softmax_scale
+    ctx.window = (window_left, window_right)
+    ctx.arch = arch
+    # Gradients do not flow through the log-sum-exp (as in FlashAttention), and its (absent)
+    # gradient is not materialized as zeros.
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = _bwd(dout, q, k, v, out, lse, ctx.softmax_scale, *ctx.window, ctx.arch)
+    return dq, dk, dv, None, None, None, None
+
+
+fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+_fwd = torch.ops.cutlass_flash.fwd.default
+_bwd = torch.ops.cutlass_flash.bwd.default
+
+
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False):
+    """Exact attention with FlashAttention kernels (CUTLASS/CuTe, sm80 and sm90 families).
+
+    Args:
+        q: (batch, seqlen_q, nheads, head_dim) float16 or bfloat16 CUDA tensor.
+        k, v: (batch, seqlen_k, nheads_kv, head_dim), same dtype and device; nheads must be a
+            multiple of nheads_kv (MHA, GQA, MQA). head_dim: a multiple of 8, at most 256.
+            Inputs may be non-contiguous if the last dim is contiguous (and rows 16-byte aligned).
+        softmax_scale: scale of q @ k^T before the softmax; default 1/sqrt(head_dim).
+        causal: causal mask aligned to the bottom-right corner of the attention matrix (as in
+            FlashAttention 2): query i sees keys j <= i + seqlen_k - seqlen_q. Query rows that see
+            no key (seqlen_q > seqlen_k) give out = 0, lse = +inf and zero gradients.
+        return_lse: also return the log-sum-exp of the scaled scores.
+
+    Returns:
+        out (batch, seqlen_q, nheads, head_dim), or (out, lse) with lse float32
+        (batch, nheads, seqlen_q). Differentiable with respect to q, k, v (not through lse).
+
+    The kernel family is chosen automatically (sm90 kernels on an sm90 GPU when built, else the
+    sm80 family); cutlass_flash.force_arch / CUTLASS_FLASH_FORCE_ARCH override it.
+    """
+    _validate.check_inputs(q, k, v)
+    scale = _validate.check_softmax_scale(softmax_scale, q.shape[3])
+    out, lse = _fwd(q, k, v, scale, -1, 0 if causal else -1, _dispatch._forced_arch)
+    if return_lse:
+        return out, lse
+    return out

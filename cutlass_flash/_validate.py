@@ -1,0 +1,268 @@
+"""Argument checks of the public API. Cheap: metadata only, no device work, no allocation.
+
+Each check has a fast path (a few comparisons that accept every valid input) and falls back to
+the detailed checks, which find the first problem and raise an exception naming the argument,
+only when the fast path fails. The detailed order: types and ranks, dtypes, shapes, memory
+layout, then devices (same device, a CUDA device, compute capability >= 8.0). Shape, dtype and
+layout checks need no GPU: tests run them on CPU or meta tensors.
+"""
+
+import math
+
+import torch
+
+from . import _dispatch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+
+#: Rows are read with 16-byte vector loads (and TMA on sm90): pointers and the batch/row/head
+#: strides must be multiples of 16 bytes, i.e. 8 elements of a 2-byte type.
+ALIGN_ELEMENTS = 8
+_ALIGN_MASK = ALIGN_ELEMENTS - 1
+
+_NAMES = ("q", "k", "v")
+
+
+def _layout_fast(t, offset):
+    """True if ``t`` certainly has the kernels' layout (False: ask check_layout)."""
+    s0, s1, s2, s3 = t.stride()
+    return s3 == 1 and not ((s0 | s1 | s2 | offset) & _ALIGN_MASK)
+
+
+def check_layout(name, t, offset=None):
+    """ValueError unless ``t`` (4-D) has a contiguous last dim and 16-byte aligned rows.
+
+    Strides of dims of size 1 are never used and may be anything. ``offset``: the storage offset
+    (None: read it; pass 0 under torch.compile, which cannot trace storage_offset()).
+    """
+    s0, s1, s2, s3 = t.stride()
+    if s3 != 1:
+        raise ValueError(
+            f"{name} must have a contiguous last dimension (stride(-1) == 1), got strides "
+            f"{tuple(t.stride())} for shape {tuple(t.shape)}; pass {name}.contiguous()"
+        )
+    if offset is None:
+        offset = t.storage_offset()
+    n0, n1, n2, _ = t.shape
+    if (
+        offset % ALIGN_ELEMENTS
+        or (n0 > 1 and s0 % ALIGN_ELEMENTS)
+        or (n1 > 1 and s1 % ALIGN_ELEMENTS)
+        or (n2 > 1 and s2 % ALIGN_ELEMENTS)
+    ):
+        raise ValueError(
+            f"{name} must be 16-byte aligned: its storage offset and the strides of dims 0-2 "
+            f"must be multiples of {ALIGN_ELEMENTS} elements, got storage_offset "
+            f"{offset} and strides {tuple(t.stride())}; pass a copy "
+            f"({name}.clone(memory_format=torch.contiguous_format))"
+        )
+
+
+def check_inputs(q, k, v):
+    """Validates the arguments of flash_attn_func; raises TypeError/ValueError/RuntimeError."""
+    compiling = torch.compiler.is_compiling()
+    if _inputs_fast(q, k, v, compiling):
+        if not compiling:  # under torch.compile the op checks the GPU when it runs
+            _dispatch.check_capability(q.device)
+        return
+    _check_inputs_detailed(q, k, v, compiling)
+
+
+def _inputs_fast(q, k, v, compiling):
+    if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor):
+        return False
+    if q.dim() != 4 or k.dim() != 4:
+        return False
+    B, Sq, H, D = q.shape
+    Bk, Sk, Hk, Dk = k.shape
+    dt = q.dtype
+    dev = q.device
+    return (
+        v.shape == k.shape
+        and (dt is torch.float16 or dt is torch.bfloat16)
+        and k.dtype is dt
+        and v.dtype is dt
+        and Bk == B
+        and Dk == D
+        and not D & 7
+        and 8 <= D <= _dispatch.MAX_HEAD_DIM
+        and B >= 1
+        and Sq >= 1
+        and Sk >= 1
+        and Hk >= 1
+        and H % Hk == 0
+        and _layout_fast(q, 0 if compiling else q.storage_offset())
+        and _layout_fast(k, 0 if compiling else k.storage_offset())
+        and _layout_fast(v, 0 if compiling else v.storage_offset())
+        and k.device == dev
+        and v.device == dev
+        and dev.type == _dispatch.DEVICE_TYPE
+    )
+
+
+def _check_inputs_detailed(q, k, v, compiling):
+    for name, t in zip(_NAMES, (q, k, v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must be 4-D (batch, seqlen, nheads, head_dim), got {t.dim()}-D tensor "
+                f"of shape {tuple(t.shape)}"
+            )
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"q must be torch.float16 or torch.bfloat16, got {q.dtype}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(
+                f"q, k and v must have the same dtype: q is {q.dtype} but {name} is {t.dtype}"
+            )
+
+    batch, seqlen_q, nheads, head_dim = q.shape
+    batch_k, seqlen_k, nheads_kv, head_dim_k = k.shape
+    if v.shape != k.shape:
+        raise ValueError(
+            f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}"
+        )
+    if batch_k != batch:
+        raise ValueError(
+            f"k and v must have q's batch size: q {tuple(q.shape)} has batch {batch}, "
+            f"k {tuple(k.shape)} has batch {batch_k}"
+        )
+    if head_dim_k != head_dim:
+        raise ValueError(
+            f"k and v must have q's head_dim: q {tuple(q.shape)} has head_dim {head_dim}, "
+            f"k {tuple(k.shape)} has head_dim {head_dim_k}"
+        )
+    if head_dim % 8 != 0 or head_dim < 8 or head_dim > _dispatch.MAX_HEAD_DIM:
+        raise ValueError(
+            f"head_dim (last dim of q, k, v) must be a multiple of 8 between 8 and "
+            f"{_dispatch.MAX_HEAD_DIM}, got {head_dim}"
+        )
+    if batch < 1:
+        raise ValueError(f"batch (dim 0 of q, k, v) must be >= 1, got {batch}")
+    if seqlen_q < 1:
+        raise ValueError(f"seqlen_q (q.shape[1]) must be >= 1, got shape {tuple(q.shape)}")
+    if seqlen_k < 1:
+        raise ValueError(f"seqlen_k (k.shape[1]) must be >= 1, got shape {tuple(k.shape)}")
+    if nheads < 1 or nheads_kv < 1:
+        raise ValueError(
+            f"nheads (dim 2) must be >= 1, got q {tuple(q.shape)} and k {tuple(k.shape)}"
+        )
+    if nheads % nheads_kv != 0:
+        raise ValueError(
+            f"q's nheads ({nheads}) must be a multiple of k/v's nheads ({nheads_kv}) "
+            f"(MHA: equal, GQA: a divisor, MQA: 1)"
+        )
+
+    for name, t in zip(_NAMES, (q, k, v)):
+        check_layout(name, t, 0 if compiling else None)
+
+    device = q.device
+    for name, t in (("k", k), ("v", v)):
+        if t.device != device:
+            raise ValueError(
+                f"q, k and v must be on the same device: q is on {device} but {name} is on "
+                f"{t.device}"
+            )
+    if device.type != _dispatch.DEVICE_TYPE:
+        raise ValueError(
+            f"q, k and v must be {_dispatch.DEVICE_TYPE.upper()} tensors; q is on device "
+            f"'{device}' (move them with .cuda())"
+        )
+    if not compiling:
+        _dispatch.check_capability(device)
+
+
+def check_softmax_scale(softmax_scale, head_dim):
+    """The softmax scale as a float: 1/sqrt(head_dim) for None."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, torch.Tensor) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(
+            f"softmax_scale must be a Python float or None, got {type(softmax_scale).__name__}"
+        )
+    softmax_scale = float(softmax_scale)
+    if not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    return softmax_scale
+
+
+def is_kernel_layout(t):
+    """Whether a 4-D tensor can be passed to the kernels as it is (eager only)."""
+    if t.dim() != 4:
+        return False
+    if _layout_fast(t, t.storage_offset()):
+        return True
+    try:
+        check_layout("t", t)
+    except ValueError:
+        return False
+    return True
+
+
+def check_op_tensors(q, k, v, *others):
+    """Memory-safety checks of the ops themselves, which may be called without the wrapper:
+    shapes the binding cannot see and the layout it assumes. ``others``: (name, tensor, shape)
+    triples of further inputs like q. Runs inside the ops, on real tensors."""
+    if q.dim() == 4 and k.dim() == 4:
+        qs, ks = q.shape, k.shape
+        dt, dev = q.dtype, q.device
+        if (
+            v.shape == ks
+            and ks[0] == qs[0]
+            and ks[3] == qs[3]
+            and ks[2] >= 1
+            and qs[2] % ks[2] == 0
+            and (dt is torch.float16 or dt is torch.bfloat16)
+            and k.dtype is dt
+            and v.dtype is dt
+            and k.device == dev
+            and v.device == dev
+            and _layout_fast(q, q.storage_offset())
+            and _layout_fast(k, k.storage_offset())
+            and _layout_fast(v, v.storage_offset())
+            and all(
+                t.shape == shape and t.dtype is dt and t.device == dev
+                and _layout_fast(t, t.storage_offset())
+                for _, t, shape in others
+            )
+        ):
+            return
+    _check_op_tensors_detailed(q, k, v, others)
+
+
+def _check_op_tensors_detailed(q, k, v, others):
+    if (
+        q.dim() != 4
+        or k.dim() != 4
+        or v.shape != k.shape
+        or k.shape[0] != q.shape[0]
+        or k.shape[3] != q.shape[3]
+        or k.shape[2] < 1
+        or q.shape[2] % k.shape[2] != 0
+    ):
+        raise ValueError(
+            f"cutlass_flash: inconsistent shapes q {tuple(q.shape)}, k {tuple(k.shape)}, "
+            f"v {tuple(v.shape)}"
+        )
+    if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(
+            f"cutlass_flash: q, k, v must all be float16 or all bfloat16, got {q.dtype}, "
+            f"{k.dtype}, {v.dtype}"
+        )
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(
+            f"cutlass_flash: q, k, v must be on one device, got {q.device}, {k.device}, "
+            f"{v.device}"
+        )
+    check_layout("q", q)
+    check_layout("k", k)
+    check_layout("v", v)
+    for name, t, shape in others:
+        if t.shape != shape:
+            raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} must have dtype {q.dtype}, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on {q.device}, got {t.device}")
+        check_layout(name, t)

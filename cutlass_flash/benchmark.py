@@ -1,0 +1,581 @@
+"""Benchmark cutlass_flash against PyTorch SDPA's backends (FlashAttention-2, cuDNN, efficient).
+
+    python -m cutlass_flash.benchmark                      # FlashAttention-3 paper grid, bf16
+    python -m cutlass_flash.benchmark --arch 80,90         # both kernel families, side by side
+    python -m cutlass_flash.benchmark --head-dims 128 --seqlens 4096 --causal true --modes fwd
+    python -m cutlass_flash.benchmark --overhead-only      # per-call host overhead, tiny input
+
+Grid (FlashAttention-3 paper): head dims 64/128/256, seqlens 512..16384, batch * seqlen = 16384
+tokens, nheads * head_dim = 2048, causal and not. Times forward, backward and forward+backward
+with CUDA events (warm-up, then the median of up to --repeats runs); TFLOPS by FlashAttention's
+count: forward 4 * batch * nheads * seqlen_q * seqlen_k * head_dim (halved when causal), backward
+2.5x that, forward+backward 3.5x. Writes CSV, markdown and (with matplotlib) a PNG to --out.
+"""
+
+import argparse
+import contextlib
+import csv
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+import cutlass_flash
+
+MODES = ("fwd", "bwd", "fwdbwd")
+FLOPS_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
+SDPA_IMPLS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient")
+SDPA_LABEL = {"sdpa-flash": "FA2", "sdpa-cudnn": "cuDNN", "sdpa-efficient": "efficient"}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments
+
+
+def _ints(text):
+    return [int(x) for x in text.replace(" ", "").split(",") if x]
+
+
+def _causal(text):
+    text = text.strip().lower()
+    if text in ("both", "all"):
+        return [False, True]
+    out = []
+    for x in text.split(","):
+        if x in ("1", "true", "yes", "causal"):
+            out.append(True)
+        elif x in ("0", "false", "no", "nomask"):
+            out.append(False)
+        else:
+            raise argparse.ArgumentTypeError(f"--causal: expected both, true or false, got {x!r}")
+    return out
+
+
+def _modes(text):
+    out = [m.strip() for m in text.split(",") if m.strip()]
+    for m in out:
+        if m not in MODES:
+            raise argparse.ArgumentTypeError(f"--modes: expected some of {MODES}, got {m!r}")
+    return out
+
+
+def _archs(text):
+    out = []
+    for x in text.split(","):
+        x = x.strip().lower()
+        if x in ("auto", "0"):
+            out.append(0)
+        elif x.removeprefix("sm") in ("80", "90"):
+            out.append(int(x.removeprefix("sm")))
+        else:
+            raise argparse.ArgumentTypeError(f"--arch: expected auto, 80, 90 or 80,90, got {x!r}")
+    return out
+
+
+def _impls(text):
+    out = [x.strip() for x in text.split(",") if x.strip()]
+    for x in out:
+        if x not in ("ours",) + SDPA_IMPLS:
+            raise argparse.ArgumentTypeError(
+                f"--impls: expected some of ours, {', '.join(SDPA_IMPLS)}; got {x!r}"
+            )
+    return out
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        prog="python -m cutlass_flash.benchmark",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--head-dims", type=_ints, default=[64, 128, 256], help="default 64,128,256")
+    p.add_argument("--seqlens", type=_ints, default=[512, 1024, 2048, 4096, 8192, 16384],
+                   help="default 512,1024,...,16384")
+    p.add_argument("--causal", type=_causal, default=[False, True],
+                   help="both (default), true or false")
+    p.add_argument("--modes", type=_modes, default=list(MODES), help="some of fwd,bwd,fwdbwd")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--arch", type=_archs, default=[0],
+                   help="our kernel family: auto (default), 80, 90, or 80,90 for both columns")
+    p.add_argument("--impls", type=_impls, default=["ours", *SDPA_IMPLS],
+                   help="default: ours,sdpa-flash,sdpa-cudnn,sdpa-efficient")
+    p.add_argument("--total-tokens", type=int, default=16384, help="batch * seqlen (16384)")
+    p.add_argument("--hidden", type=int, default=2048, help="nheads * head_dim (2048)")
+    p.add_argument("--repeats", type=int, default=50,
+                   help="at most this many timed runs per measurement (median reported)")
+    p.add_argument("--min-repeats", type=int, default=5, help="at least this many timed runs")
+    p.add_argument("--warmup", type=int, default=3, help="untimed runs first")
+    p.add_argument("--budget-ms", type=float, default=200.0,
+                   help="aim for about this much timed GPU time per measurement (fewer runs for "
+                        "slow configs, between --min-repeats and --repeats)")
+    p.add_argument("--check", action="store_true",
+                   help="also compare our output with SDPA's for each config (max abs diff)")
+    p.add_argument("--out", default=os.path.join("benchmarks", "results"),
+                   help="output directory (default benchmarks/results)")
+    p.add_argument("--tag", default="", help="suffix for the output file names")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--overhead", action="store_true",
+                   help="also measure per-call overhead on a (1, 128, 1, 64) input")
+    p.add_argument("--overhead-only", action="store_true", help="only the overhead measurement")
+    p.add_argument("--calls", type=int, default=2000, help="calls per overhead measurement")
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------------
+# Environment
+
+
+def _driver_version():
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        v = pynvml.nvmlSystemGetDriverVersion()
+        return v.decode() if isinstance(v, bytes) else str(v)
+    except Exception:
+        pass
+    try:
+        r = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20,
+        )
+        if r.returncode == 0 and r.stdout.strip():
+            return r.stdout.strip().splitlines()[0]
+    except Exception:
+        pass
+    try:
+        v = torch._C._cuda_getDriverVersion()
+        return f"CUDA driver API {v // 1000}.{v % 1000 // 10}"
+    except Exception:
+        return "unknown"
+
+
+def environment():
+    dev = torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(dev)
+    try:
+        built = cutlass_flash.built_kernels()
+        groups = {}
+        for a, d, h, t in built:
+            groups.setdefault((a, d, t), []).append(h)
+        built_txt = "; ".join(
+            f"sm{a} {d} {t}: {','.join(map(str, sorted(hs)))}"
+            for (a, d, t), hs in sorted(groups.items())
+        ) or "none"
+    except ImportError as e:
+        built_txt = f"unavailable ({str(e).splitlines()[0][:120]})"
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return {
+        "gpu": f"{props.name} (sm{props.major}{props.minor}, {props.multi_processor_count} SMs, "
+               f"{props.total_memory / 2**30:.0f} GiB)",
+        "driver": _driver_version(),
+        "cuda": str(torch.version.cuda),
+        "cudnn": str(cudnn),
+        "torch": torch.__version__,
+        "cutlass_flash": cutlass_flash.__version__,
+        "cutlass_flash kernels": built_txt,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+
+
+def _sync():
+    torch.cuda.synchronize()
+
+
+def time_gpu(fn, warmup=3, repeats=30, min_repeats=5, budget_ms=100.0):
+    """Median milliseconds of fn() by CUDA events, after warm-up."""
+    for _ in range(warmup):
+        fn()
+    _sync()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    _sync()
+    estimate = max(start.elapsed_time(end), 1e-3)
+    n = max(min_repeats, min(repeats, int(budget_ms / estimate)))
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(n)]
+    for s, e in events:
+        s.record()
+        fn()
+        e.record()
+    _sync()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def attention_flops(batch, nheads, seqlen_q, seqlen_k, head_dim, causal, mode):
+    f = 4.0 * batch * nheads * seqlen_q * seqlen_k * head_dim
+    if causal:
+        f /= 2
+    return f * FLOPS_FACTOR[mode]
+
+
+# ---------------------------------------------------------------------------------------------
+# Implementations: each returns a forward function of (q, k, v) in (B, S, H, D) layout.
+
+
+def _ours(causal):
+    def fwd(q, k, v):
+        return cutlass_flash.flash_attn_func(q, k, v, causal=causal)
+    return fwd
+
+
+def _sdpa_backend(name):
+    from torch.nn.attention import SDPBackend
+
+    return {
+        "sdpa-flash": SDPBackend.FLASH_ATTENTION,
+        "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
+        "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION,
+    }[name]
+
+
+def _sdpa(name, causal):
+    from torch.nn.attention import sdpa_kernel
+
+    backend = _sdpa_backend(name)
+
+    def fwd(q, k, v):
+        # SDPA takes (B, H, S, D): transposed views, no copies.
+        with sdpa_kernel(backend):
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal
+            )
+        return out.transpose(1, 2)
+    return fwd
+
+
+def implementations(args):
+    """(label, factory(causal) -> forward fn, context) in column order. The context forces our
+    kernel family while that column is measured (auto: none, so CUTLASS_FLASH_FORCE_ARCH holds)."""
+    out = []
+    for impl in args.impls:
+        if impl == "ours":
+            for arch in args.arch:
+                label = "ours" if arch == 0 else f"ours-sm{arch}"
+                ctx = contextlib.nullcontext if arch == 0 else (
+                    lambda a=arch: cutlass_flash.force_arch(a))
+                out.append((label, _ours, ctx))
+        else:
+            out.append((impl, lambda causal, n=impl: _sdpa(n, causal), contextlib.nullcontext))
+    return out
+
+
+def _mode_fn(mode, fwd, q, k, v, dout):
+    if mode == "fwd":
+        return lambda: fwd(q, k, v)
+    if mode == "bwd":
+        out = fwd(q, k, v)
+        return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    return lambda: torch.autograd.grad(fwd(q, k, v), (q, k, v), dout)
+
+
+def _short(e):
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return f"{type(e).__name__}: {msg[:160]}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The grid
+
+
+def _measure(fwd, modes, q, k, v, dout, args):
+    """{mode: (ms, status)} for one implementation on one config; status '' when it ran."""
+    try:
+        fwd(q, k, v)  # can it run this config at all?
+    except Exception as e:
+        return {mode: (float("nan"), _short(e)) for mode in modes}
+    out = {}
+    for mode in modes:
+        try:
+            fn = _mode_fn(mode, fwd, q, k, v, dout)
+            out[mode] = (time_gpu(fn, args.warmup, args.repeats, args.min_repeats,
+                                  args.budget_ms), "")
+            del fn
+        except Exception as e:
+            out[mode] = (float("nan"), _short(e))
+            torch.cuda.empty_cache()
+    return out
+
+
+def run_grid(args):
+    dtype = DTYPES[args.dtype]
+    impls = implementations(args)
+    labels = [label for label, _, _ in impls]
+    rows = []
+    configs = [(hd, seqlen, causal) for hd in args.head_dims for seqlen in args.seqlens
+               for causal in args.causal]
+    t_start = time.perf_counter()
+    for i, (hd, seqlen, causal) in enumerate(configs, 1):
+        nheads = max(1, args.hidden // hd)
+        batch = max(1, args.total_tokens // seqlen)
+        g = torch.Generator(device="cuda").manual_seed(seqlen * 1000 + hd)
+        shape = (batch, seqlen, nheads, hd)
+        q, k, v = (torch.randn(shape, device="cuda", dtype=dtype, generator=g).requires_grad_()
+                   for _ in range(3))
+        dout = torch.randn(shape, device="cuda", dtype=dtype, generator=g)
+        print(f"[{i}/{len(configs)}] head_dim={hd} seqlen={seqlen} batch={batch} "
+              f"nheads={nheads} causal={int(causal)}", flush=True)
+        results, outputs = {}, {}
+        for label, factory, context in impls:
+            fwd = factory(causal)
+            with context(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                results[label] = _measure(fwd, args.modes, q, k, v, dout, args)
+                if args.check and not results[label][args.modes[0]][1]:
+                    with torch.no_grad():
+                        outputs[label] = fwd(q, k, v).float()
+        for mode in args.modes:
+            flops = attention_flops(batch, nheads, seqlen, seqlen, hd, causal, mode)
+            cells = []
+            for label in labels:
+                ms, status = results[label][mode]
+                tflops = flops / (ms * 1e-3) / 1e12 if ms == ms else float("nan")
+                rows.append(dict(dtype=args.dtype, head_dim=hd, seqlen=seqlen, batch=batch,
+                                 nheads=nheads, causal=int(causal), mode=mode, impl=label,
+                                 ms=ms, tflops=tflops, status=status))
+                cells.append(f"{label} {_fmt(tflops)}")
+            print(f"    {mode:7s} TFLOPS: " + " | ".join(cells), flush=True)
+        if len(outputs) > 1:
+            base_label, base = next(iter(outputs.items()))
+            print("    max|out - " + base_label + "|: " + ", ".join(
+                f"{lb} {(o - base).abs().max().item():.3g}"
+                for lb, o in outputs.items() if lb != base_label), flush=True)
+        del q, k, v, dout, outputs
+        torch.cuda.empty_cache()
+    print(f"grid done in {time.perf_counter() - t_start:.0f} s", flush=True)
+    return rows, labels
+
+
+def _fmt(x, digits=1):
+    return "n/a" if x != x else f"{x:.{digits}f}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Reports
+
+
+def write_csv(path, rows):
+    fields = ["dtype", "head_dim", "seqlen", "batch", "nheads", "causal", "mode", "impl", "ms",
+              "tflops", "status"]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (f"{r[k]:.6g}" if isinstance(r[k], float) else r[k]) for k in fields})
+
+
+def markdown(rows, labels, env, args):
+    lines = ["# cutlass_flash benchmark", ""]
+    lines += [f"- {k}: {v}" for k, v in env.items()]
+    lines += [
+        f"- dtype {args.dtype}; batch * seqlen = {args.total_tokens} tokens, "
+        f"nheads * head_dim = {args.hidden}; TFLOPS (FlashAttention's count); median of up to "
+        f"{args.repeats} runs (CUDA events)",
+        "",
+    ]
+    ours = [lb for lb in labels if lb.startswith("ours")]
+    refs = [r for r in ("sdpa-flash", "sdpa-cudnn") if r in labels]
+    ratio_cols = [(o, r) for o in ours for r in refs]
+    index = {(r["mode"], r["head_dim"], r["seqlen"], r["causal"], r["impl"]): r for r in rows}
+    for mode in args.modes:
+        lines += [f"## {mode}", ""]
+        header = ["head_dim", "seqlen", "batch x nheads", "causal"] + labels + [
+            f"{o} / {SDPA_LABEL[r]}" for o, r in ratio_cols
+        ]
+        lines.append("| " + " | ".join(header) + " |")
+        lines.append("|" + "|".join("---:" for _ in header) + "|")
+        for hd in args.head_dims:
+            for seqlen in args.seqlens:
+                for causal in args.causal:
+                    key = (mode, hd, seqlen, int(causal))
+                    cells = [index.get(key + (lb,)) for lb in labels]
+                    if all(c is None for c in cells):
+                        continue
+                    first = next(c for c in cells if c is not None)
+                    row = [str(hd), str(seqlen), f"{first['batch']} x {first['nheads']}",
+                           "yes" if causal else "no"]
+                    row += [_fmt(c["tflops"]) if c else "n/a" for c in cells]
+                    for o, r in ratio_cols:
+                        a, b = index.get(key + (o,)), index.get(key + (r,))
+                        ok = a and b and a["tflops"] == a["tflops"] and b["tflops"] == b["tflops"]
+                        row.append(f"{a['tflops'] / b['tflops']:.2f}x" if ok else "n/a")
+                    lines.append("| " + " | ".join(row) + " |")
+        lines.append("")
+    failures = sorted({(r["impl"], r["status"]) for r in rows if r["status"]})
+    if failures:
+        lines += ["## n/a reasons", ""]
+        lines += [f"- {impl}: {status}" for impl, status in failures]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(path, rows, labels, args):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+        return False
+    nr, nc = len(args.modes), len(args.head_dims)
+    fig, axes = plt.subplots(nr, nc, figsize=(4.5 * nc, 3.6 * nr), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, mode in enumerate(args.modes):
+        for j, hd in enumerate(args.head_dims):
+            ax = axes[i][j]
+            for c, label in enumerate(labels):
+                for causal in args.causal:
+                    pts = sorted((r["seqlen"], r["tflops"]) for r in rows
+                                 if r["mode"] == mode and r["head_dim"] == hd
+                                 and r["impl"] == label and r["causal"] == int(causal)
+                                 and r["tflops"] == r["tflops"])
+                    if not pts:
+                        continue
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3,
+                            color=colors[c % len(colors)], linestyle="--" if causal else "-",
+                            label=f"{label}{' causal' if causal else ''}")
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{mode}, head_dim {hd}, {args.dtype}")
+            ax.set_xlabel("seqlen")
+            ax.set_ylabel("TFLOPS")
+            ax.grid(True, alpha=0.3)
+            ax.set_ylim(bottom=0)
+            if i == 0 and j == 0:
+                ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-call overhead
+
+
+def run_overhead(args):
+    """Host time per call on a tiny (1, 128, 1, 64) input, ours vs SDPA FLASH_ATTENTION."""
+    dtype = DTYPES[args.dtype]
+    shape = (1, 128, 1, 64)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(3))
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    dout = torch.randn(shape, device="cuda", dtype=dtype)
+    impls = [i for i in implementations(args) if i[0].startswith("ours")]
+    impls.append(("sdpa-flash", lambda causal: _sdpa("sdpa-flash", causal), contextlib.nullcontext))
+    rows = []
+    print(f"per-call overhead, input {shape} {args.dtype}, {args.calls} calls:")
+    for label, factory, context in impls:
+        fwd = factory(False)
+        cases = {
+            "fwd (no grad)": lambda: fwd(q, k, v),
+            "fwd (grad)": lambda: fwd(qg, kg, vg),
+            "fwd+bwd": lambda: torch.autograd.grad(fwd(qg, kg, vg), (qg, kg, vg), dout),
+        }
+        for name, fn in cases.items():
+            try:
+                grad = torch.no_grad() if name == "fwd (no grad)" else contextlib.nullcontext()
+                with context(), grad, warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    for _ in range(50):
+                        fn()
+                    _sync()
+                    t0 = time.perf_counter()
+                    for _ in range(args.calls):
+                        fn()
+                    t1 = time.perf_counter()
+                    _sync()
+                    t2 = time.perf_counter()
+                    gpu_ms = time_gpu(fn, warmup=3, repeats=200, min_repeats=50, budget_ms=5.0)
+                host_us = (t1 - t0) / args.calls * 1e6
+                wall_us = (t2 - t0) / args.calls * 1e6
+                status = ""
+            except Exception as e:
+                host_us = wall_us = gpu_ms = float("nan")
+                status = _short(e)
+            rows.append(dict(impl=label, case=name, host_us=host_us, wall_us=wall_us,
+                             gpu_us=gpu_ms * 1e3, status=status))
+            print(f"  {label:14s} {name:14s} host {_fmt(host_us)} us/call, wall "
+                  f"{_fmt(wall_us)} us/call, events {_fmt(gpu_ms * 1e3)} us/call"
+                  + (f"  [{status}]" if status else ""), flush=True)
+    return rows
+
+
+def overhead_markdown(rows, args):
+    lines = [
+        "## Per-call overhead",
+        "",
+        f"Input (1, 128, 1, 64) {args.dtype}; host = wall-clock time per call of the Python loop "
+        f"({args.calls} calls, no synchronisation), wall = including the final synchronisation, "
+        f"events = CUDA-event time per call (median).",
+        "",
+        "| impl | call | host us/call | wall us/call | events us/call |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['impl']} | {r['case']} | {_fmt(r['host_us'])} | "
+                     f"{_fmt(r['wall_us'])} | {_fmt(r['gpu_us'])} |")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("cutlass_flash.benchmark needs a CUDA GPU (torch.cuda.is_available() is False)",
+              file=sys.stderr)
+        return 2
+    err = cutlass_flash.extension_error()
+    if err and "ours" in args.impls:
+        print(f"warning: {err}\nour columns will read n/a", file=sys.stderr)
+    env = environment()
+    for key, val in env.items():
+        print(f"{key:22s} {val}")
+    print(flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"bench-{args.dtype}" + (f"-{args.tag}" if args.tag else ""))
+    md = ""
+    if not args.overhead_only:
+        rows, labels = run_grid(args)
+        write_csv(stem + ".csv", rows)
+        md = markdown(rows, labels, env, args)
+        print(f"wrote {stem}.csv")
+        if not args.no_plot and plot(stem + ".png", rows, labels, args):
+            print(f"wrote {stem}.png")
+    if args.overhead or args.overhead_only:
+        ov = run_overhead(args)
+        if not md:
+            md = "# cutlass_flash benchmark\n\n" + "\n".join(f"- {k}: {v}" for k, v in env.items())
+            md += "\n\n"
+        md += overhead_markdown(ov, args)
+        with open(stem + "-overhead.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(ov[0]))
+            w.writeheader()
+            w.writerows(ov)
+    with open(stem + ".md", "w") as f:
+        f.write(md)
+    print(f"wrote {stem}.md")
+    if not args.overhead_only:
+        print()
+        print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

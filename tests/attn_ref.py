@@ -1,0 +1,104 @@
+"""Reference attention and the accuracy rule shared by the tests.
+
+attention_ref computes plain PyTorch math attention in the dtype of its inputs (FlashAttention's
+tests call this ``upcast=False`` when the inputs are fp16/bf16); call it on float64 copies for the
+reference. Masks are aligned to the bottom-right corner, as the kernels' are.
+"""
+
+import math
+
+import torch
+
+
+def window_mask(seqlen_q, seqlen_k, window_left, window_right, device):
+    """Bool (seqlen_q, seqlen_k): True where query i may attend key j (bottom-right aligned)."""
+    i = torch.arange(seqlen_q, device=device).view(-1, 1)
+    j = torch.arange(seqlen_k, device=device).view(1, -1)
+    diag = i + (seqlen_k - seqlen_q)
+    allowed = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if window_right >= 0:
+        allowed &= j <= diag + window_right
+    if window_left >= 0:
+        allowed &= j >= diag - window_left
+    return allowed
+
+
+def attention_probs(q, k, softmax_scale, window=(-1, -1)):
+    """softmax(scale * q @ k^T) over allowed keys, (batch, nheads, seqlen_q, seqlen_k); rows that
+    see no key are 0. k has nheads heads (expand GQA first)."""
+    scores = torch.einsum("bthd,bshd->bhts", q * softmax_scale, k)
+    if window[0] >= 0 or window[1] >= 0:
+        allowed = window_mask(q.shape[1], k.shape[1], window[0], window[1], q.device)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        return probs.masked_fill(~allowed.any(dim=-1).view(-1, 1), 0.0)
+    return torch.softmax(scores, dim=-1)
+
+
+def attention_ref(q, k, v, causal=False, softmax_scale=None, window=(-1, -1)):
+    """Returns (out, lse) computed in q's dtype.
+
+    q: (batch, seqlen_q, nheads, d); k, v: (batch, seqlen_k, nheads_kv, d). out: like q.
+    lse: (batch, nheads, seqlen_q), +inf for rows that see no key (whose out is 0), as the kernels.
+    """
+    batch, seqlen_q, nheads, d = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    if nheads != nheads_kv:
+        k = k.repeat_interleave(nheads // nheads_kv, dim=2)
+        v = v.repeat_interleave(nheads // nheads_kv, dim=2)
+    scores = torch.einsum("bthd,bshd->bhts", q * scale, k)
+    window_left, window_right = (-1, 0) if causal else window
+    if window_left >= 0 or window_right >= 0:
+        allowed = window_mask(seqlen_q, seqlen_k, window_left, window_right, q.device)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        empty_rows = ~allowed.any(dim=-1)  # (seqlen_q,)
+    else:
+        empty_rows = None
+    lse = torch.logsumexp(scores, dim=-1)
+    attn = torch.softmax(scores, dim=-1)
+    if empty_rows is not None:  # (no data-dependent branch: keeps CUDA graph capture working)
+        attn = attn.masked_fill(empty_rows.view(-1, 1), 0.0)
+        lse = lse.masked_fill(empty_rows, float("inf"))
+    out = torch.einsum("bhts,bshd->bthd", attn, v)
+    return out, lse
+
+
+def reference_outputs(q, k, v, dout, causal=False, softmax_scale=None, dtype=None):
+    """(out, lse, dq, dk, dv) of attention_ref on detached copies of q, k, v cast to ``dtype``
+    (default: their own), with gradients for ``dout``."""
+    dtype = q.dtype if dtype is None else dtype
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    out, lse = attention_ref(*leaves, causal=causal, softmax_scale=softmax_scale)
+    dq, dk, dv = torch.autograd.grad(out, leaves, dout.to(dtype))
+    return out.detach(), lse.detach(), dq, dk, dv
+
+
+def max_abs_err(a, b):
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def assert_within_tolerance(name, ours, torch_same_dtype, ref, slack=1e-5):
+    """The accuracy rule: max|ours - ref| <= 2 * max|torch_same_dtype - ref| + slack.
+
+    ``ref`` is the float64 reference, ``torch_same_dtype`` plain PyTorch attention in the input
+    dtype. Non-finite reference entries (lse = +inf for rows that see no key) must be matched
+    exactly and are left out of the maxima; NaN in ``ours`` always fails.
+    """
+    assert ours.shape == ref.shape, f"{name}: shape {tuple(ours.shape)} != {tuple(ref.shape)}"
+    ours64, same64, ref64 = ours.double(), torch_same_dtype.double(), ref.double()
+    n_nan = int(torch.isnan(ours64).sum())
+    assert n_nan == 0, f"{name}: {n_nan} NaN values (unwritten or invalid output)"
+    finite = torch.isfinite(ref64)
+    if not bool(finite.all()):
+        mismatch = int((ours64[~finite] != ref64[~finite]).sum())
+        assert mismatch == 0, f"{name}: {mismatch} entries differ where the reference is +-inf"
+    n_inf = int((~torch.isfinite(ours64[finite])).sum())
+    assert n_inf == 0, f"{name}: {n_inf} non-finite values where the reference is finite"
+    err = max_abs_err(ours64[finite], ref64[finite])
+    base = max_abs_err(same64[finite], ref64[finite])
+    bound = 2 * base + slack
+    assert err <= bound, (
+        f"{name}: max|ours - ref| = {err:.4g} > 2 * max|torch_{ours.dtype} - ref| + {slack:g} "
+        f"= 2 * {base:.4g} + {slack:g} = {bound:.4g}"
+    )

@@ -1,0 +1,257 @@
+"""Test cases of the GPU accuracy suite: one Case per parametrized test, a fast and a full grid.
+
+The grids are built at collection time from the head dims this build has (cutlass_flash
+.built_kernels(); the canonical list when the binding is missing) plus head dims that are padded
+(40, 72, 200), and the kernel families this GPU can run (80, plus 90 on sm90; both when there is
+no GPU, where the GPU tests are skipped anyway).
+"""
+
+import dataclasses
+import functools
+import os
+import zlib
+
+import torch
+
+FULL_ENV = "CUTLASS_FLASH_FULL_TESTS"
+
+
+def full_grid(config):
+    """Whether to run the whole GPU grid: pytest --full or CUTLASS_FLASH_FULL_TESTS=1."""
+    try:
+        flag = config.getoption("--full")
+    except ValueError:  # the option is registered by tests/conftest.py
+        flag = False
+    return bool(flag) or os.environ.get(FULL_ENV, "").strip().lower() not in ("", "0", "false")
+
+
+SEQLENS = (1, 17, 113, 239, 1023, 1024, 2047, 4097)
+INSTANTIATED_HEAD_DIMS = (64, 96, 128, 192, 256)
+PADDED_HEAD_DIMS = (40, 72, 200)  # not instantiated: exercise zero-padding
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+LAYOUTS = ("contiguous", "qkvpacked", "kvpacked", "bhsd", "strided")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    nheads: int
+    nheads_kv: int
+    head_dim: int
+    dtype: str  # "fp16" | "bf16"
+    causal: bool
+    arch: int  # kernel family forced for the call: 80 or 90 (0 = auto)
+    layout: str = "contiguous"
+    q_scale: float = 1.0  # > 1: large-magnitude logits
+
+    @property
+    def id(self):
+        heads = {self.nheads: "mha", 1: "mqa"}.get(self.nheads_kv, "gqa")
+        s = (
+            f"sm{self.arch}-{self.dtype}-d{self.head_dim}-b{self.batch}"
+            f"-{heads}{self.nheads}x{self.nheads_kv}-q{self.seqlen_q}-k{self.seqlen_k}"
+            f"-{'causal' if self.causal else 'nomask'}-{self.layout}"
+        )
+        return s + (f"-qx{self.q_scale:g}" if self.q_scale != 1.0 else "")
+
+    @property
+    def seed(self):
+        return zlib.crc32(self.id.encode())
+
+    @property
+    def torch_dtype(self):
+        return DTYPES[self.dtype]
+
+
+# ---------------------------------------------------------------------------------------------
+# What this machine has.
+
+
+@functools.lru_cache(maxsize=None)
+def built_kernels():
+    """The build's kernel list, or None without the compiled binding."""
+    import cutlass_flash
+
+    if cutlass_flash.extension_error():
+        return None
+    return tuple(cutlass_flash.built_kernels())
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_archs():
+    """Kernel families to test: those this GPU runs (all without a GPU)."""
+    if not torch.cuda.is_available():
+        return (80, 90)
+    major, _ = torch.cuda.get_device_capability()
+    return (80, 90) if major == 9 else (80,)
+
+
+@functools.lru_cache(maxsize=None)
+def head_dims():
+    built = built_kernels()
+    inst = INSTANTIATED_HEAD_DIMS if built is None else sorted({h for _, _, h, _ in built})
+    return tuple(sorted(set(inst) | set(PADDED_HEAD_DIMS)))
+
+
+def missing_kernels(case):
+    """The (arch, direction, head_dim, dtype) kernels a case needs and the build lacks."""
+    import cutlass_flash
+
+    built = set(built_kernels() or ())
+    hd = cutlass_flash.padded_head_dim(case.head_dim)
+    need = [(case.arch, d, hd, case.dtype) for d in ("fwd", "bwd")]
+    return [k for k in need if k not in built]
+
+
+# ---------------------------------------------------------------------------------------------
+# Grids. Sizes keep the float64 reference cheap: batch 1 and few heads for long sequences.
+
+
+def _batch_for(seqlen_q, seqlen_k):
+    return 2 if max(seqlen_q, seqlen_k) <= 1024 else 1
+
+
+HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
+
+
+def head_dim_cases():
+    """Every head dim (built and padded) x dtype x causal, per family."""
+    return [
+        Case(2, sq, sk, 4, 4, hd, dt, causal, arch)
+        for arch in kernel_archs()
+        for hd in head_dims()
+        for dt in DTYPES
+        for causal in (False, True)
+        # causal with seqlen_q > seqlen_k: the first 126 query rows see no key
+        for sq, sk in [((113, 239), (239, 113))[causal]]
+    ]
+
+
+FAST_SEQLEN_PAIRS = (
+    (1, 1), (1, 239), (239, 1), (17, 113), (113, 17),
+    (1023, 1024), (1024, 1023), (2047, 2047), (4097, 1023), (1023, 4097),
+)
+
+
+def seqlen_cases():
+    """Sequence length pairs x causal, per family (head dim 128; dtype and heads rotate)."""
+    out = []
+    for arch in kernel_archs():
+        for i, (sq, sk) in enumerate(FAST_SEQLEN_PAIRS):
+            h, hkv = list(HEADS.values())[i % 3]
+            dt = ("bf16", "fp16")[i % 2]
+            for causal in (False, True):
+                out.append(Case(_batch_for(sq, sk), sq, sk, h, hkv, 128, dt, causal, arch))
+    return out
+
+
+def heads_cases():
+    """MHA / GQA / MQA x causal x dtype, per family."""
+    return [
+        Case(2, 239, 1023, 6, hkv, 64, dt, causal, arch)
+        for arch in kernel_archs()
+        for hkv in (6, 2, 1)
+        for dt in DTYPES
+        for causal in (False, True)
+    ]
+
+
+def layout_cases():
+    """Non-contiguous inputs (packed qkv / kv, (B, H, S, D) transposed, padded rows)."""
+    out = []
+    for arch in kernel_archs():
+        for causal in (False, True):
+            out += [
+                Case(2, 256, 256, 4, 2, 128, "bf16", causal, arch, "qkvpacked"),
+                Case(2, 113, 300, 4, 4, 64, "fp16", causal, arch, "kvpacked"),
+                Case(2, 239, 239, 4, 1, 96, "bf16", causal, arch, "bhsd"),
+                Case(2, 200, 117, 4, 2, 40, "fp16", causal, arch, "strided"),
+            ]
+    return out
+
+
+def large_logit_cases():
+    """q scaled by 8: large-magnitude logits (softmax dominated by few keys)."""
+    return [
+        Case(2, 512, 512, 4, 4, 128, dt, causal, arch, q_scale=8.0)
+        for arch in kernel_archs()
+        for dt in DTYPES
+        for causal in (False, True)
+    ]
+
+
+FULL_SEQLEN_PAIRS = tuple((s, s) for s in SEQLENS) + (
+    (1, 17), (17, 1), (113, 239), (239, 113), (1023, 1024), (1024, 1023),
+    (2047, 4097), (4097, 2047), (1, 4097), (4097, 1), (17, 2047), (2047, 17),
+)
+
+
+def full_grid_cases():
+    """head dim x dtype x causal x MHA/GQA/MQA x seqlen pair, per family."""
+    return [
+        Case(_batch_for(sq, sk), sq, sk, h, hkv, hd, dt, causal, arch)
+        for arch in kernel_archs()
+        for hd in head_dims()
+        for dt in DTYPES
+        for causal in (False, True)
+        for (h, hkv) in HEADS.values()
+        for sq, sk in FULL_SEQLEN_PAIRS
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs.
+
+
+def make_inputs(case, device):
+    """(q, k, v) for a case, in its layout, as views of leaf tensors that require grad."""
+    g = torch.Generator(device=device).manual_seed(case.seed)
+    B, Sq, Sk, H, Hkv, D = (case.batch, case.seqlen_q, case.seqlen_k, case.nheads,
+                            case.nheads_kv, case.head_dim)
+    kw = dict(dtype=case.torch_dtype, device=device, generator=g)
+
+    def randn(*shape):
+        return torch.randn(*shape, **kw)
+
+    if case.layout == "contiguous":
+        leaves = [randn(B, Sq, H, D), randn(B, Sk, Hkv, D), randn(B, Sk, Hkv, D)]
+    elif case.layout == "qkvpacked":  # one (B, S, H + 2 * Hkv, D) tensor
+        assert Sq == Sk
+        leaves = [randn(B, Sq, H + 2 * Hkv, D)]
+    elif case.layout == "kvpacked":  # q and one (B, Sk, 2, Hkv, D) tensor
+        leaves = [randn(B, Sq, H, D), randn(B, Sk, 2, Hkv, D)]
+    elif case.layout == "bhsd":  # (B, H, S, D) tensors, transposed
+        leaves = [randn(B, H, Sq, D), randn(B, Hkv, Sk, D), randn(B, Hkv, Sk, D)]
+    elif case.layout == "strided":  # rows padded by 16 elements, data at offset 8
+        leaves = [randn(B, Sq, H, D + 16), randn(B, Sk, Hkv, D + 16), randn(B, Sk, Hkv, D + 16)]
+    else:
+        raise ValueError(case.layout)
+
+    def views():
+        if case.layout == "qkvpacked":
+            qkv = leaves[0]
+            return qkv[:, :, :H], qkv[:, :, H:H + Hkv], qkv[:, :, H + Hkv:]
+        if case.layout == "kvpacked":
+            return leaves[0], leaves[1][:, :, 0], leaves[1][:, :, 1]
+        if case.layout == "bhsd":
+            return tuple(t.transpose(1, 2) for t in leaves)
+        if case.layout == "strided":
+            return tuple(t[..., 8:8 + D] for t in leaves)
+        return tuple(leaves)
+
+    if case.q_scale != 1.0:
+        views()[0].mul_(case.q_scale)
+    for t in leaves:
+        t.requires_grad_()
+    q, k, v = views()
+    if case.layout != "contiguous":
+        assert not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous())
+    return q, k, v
+
+
+def make_dout(case, device):
+    g = torch.Generator(device=device).manual_seed(case.seed + 1)
+    return torch.randn(case.batch, case.seqlen_q, case.nheads, case.head_dim,
+                       dtype=case.torch_dtype, device=device, generator=g)

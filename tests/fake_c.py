@@ -1,0 +1,151 @@
+"""A stand-in for the compiled module cutlass_flash._C that runs on CPU tensors.
+
+It has the binding's interface (raw pointers and element strides) and computes attention with the
+float64 reference, reading and writing the caller's memory through the pointers. It checks what
+the real binding relies on (alignment, instantiated head dims, built kernels, workspace size) and
+records every call, so the CPU tests exercise the Python layer end to end: marshalling, padding,
+GQA reduction, dispatch, autograd and torch.compile.
+"""
+
+import ctypes
+
+import torch
+
+from attn_ref import attention_probs, attention_ref
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+INSTANTIATED = (64, 96, 128, 192, 256)
+
+
+def all_kernels(archs=(80, 90), head_dims=INSTANTIATED, dtypes=("fp16", "bf16")):
+    return [
+        (a, d, h, t) for a in archs for d in ("fwd", "bwd") for h in head_dims for t in dtypes
+    ]
+
+
+class _CudaMemory:
+    """Exposes raw CUDA memory to torch.as_tensor (the CUDA array interface), without copying."""
+
+    def __init__(self, ptr, nbytes):
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3,
+            "strides": None,
+        }
+
+
+def _raw(ptr, shape, strides, dtype, device="cpu"):
+    """A tensor of `shape`/`strides` (elements) aliasing the memory at `ptr`."""
+    assert ptr, "null pointer"
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    extent = 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+    nbytes = extent * itemsize
+    if torch.device(device).type == "cuda":
+        flat = torch.as_tensor(_CudaMemory(ptr, nbytes), device=device).view(dtype)
+    else:
+        buf = (ctypes.c_char * nbytes).from_address(ptr)
+        flat = torch.frombuffer(buf, dtype=dtype, count=extent)
+    return flat.as_strided(shape, strides)
+
+
+class FakeC:
+    """The binding's interface over CPU memory (device="cpu", the CPU tests) or CUDA memory
+    (device="cuda": CUTLASS_FLASH_TEST_FAKE_BINDING=1 runs the GPU tests against it, which tests
+    the test harness, not the kernels)."""
+
+    def __init__(self, built=None, device="cpu"):
+        self.built = list(all_kernels() if built is None else built)
+        self.device = device
+        self.calls = []  # (direction, arch, problem dict)
+
+    # -- the binding's interface --------------------------------------------------------------
+    def built_kernels(self):
+        return list(self.built)
+
+    def bwd_workspace_bytes(self, **kw):
+        p = self._problem("bwd", kw, check_built=False)
+        rows = p["batch"] * p["nheads"] * ((p["seqlen_q"] + 127) // 128 * 128)
+        return rows * (p["head_dim"] + 1) * 4
+
+    def fwd(self, q, k, v, o, lse_ptr, **kw):
+        p = self._problem("fwd", kw)
+        dtype = DTYPES[p["dtype"]]
+        Q, K, V, Out = self._tensors(p, dtype, q=q, k=k, v=v, o=o)
+        assert lse_ptr % 16 == 0
+        lse = _raw(lse_ptr, (p["batch"], p["nheads"], p["seqlen_q"]),
+                   (p["nheads"] * p["seqlen_q"], p["seqlen_q"], 1), torch.float32, self.device)
+        out, lse_ref = attention_ref(
+            Q.double(), K.double(), V.double(), softmax_scale=p["softmax_scale"],
+            window=(p["window_left"], p["window_right"]),
+        )
+        Out.copy_(out)
+        lse.copy_(lse_ref)
+
+    def bwd(self, q, k, v, o, dout, lse_ptr, dq, dk, dv, workspace_ptr, **kw):
+        p = self._problem("bwd", kw)
+        dtype = DTYPES[p["dtype"]]
+        Q, K, V, _, dO, dQ, dK, dV = self._tensors(
+            p, dtype, q=q, k=k, v=v, o=o, dout=dout, dq=dq, dk=dk, dv=dv
+        )
+        # The CUDA caching allocator gives 512-byte alignment; the CPU allocator 64 bytes.
+        assert workspace_ptr % 64 == 0 and workspace_ptr != 0, "workspace must be aligned"
+        group = p["nheads"] // p["nheads_kv"]
+        # Per query head dK/dV: the gradients with respect to K and V expanded to nheads,
+        # written out by hand (the op runs below autograd, so no autograd here).
+        scale = p["softmax_scale"]
+        q64 = Q.double()
+        k64 = K.double().repeat_interleave(group, dim=2)
+        v64 = V.double().repeat_interleave(group, dim=2)
+        do64 = dO.double()
+        probs = attention_probs(q64, k64, scale, (p["window_left"], p["window_right"]))
+        gv = torch.einsum("bhts,bthd->bshd", probs, do64)
+        dp = torch.einsum("bthd,bshd->bhts", do64, v64)
+        ds = probs * (dp - (probs * dp).sum(-1, keepdim=True))
+        gq = torch.einsum("bhts,bshd->bthd", ds, k64) * scale
+        gk = torch.einsum("bhts,bthd->bshd", ds, q64) * scale
+        dQ.copy_(gq)
+        dK.copy_(gk)
+        dV.copy_(gv)
+
+    # -- checks ---------------------------------------------------------------------------------
+    _KEYS = ("batch", "seqlen_q", "seqlen_k", "nheads", "nheads_kv", "head_dim", "softmax_scale",
+             "window_left", "window_right", "dtype", "arch")
+
+    def _problem(self, direction, kw, check_built=True):
+        kw = dict(kw)
+        stream = kw.pop("stream", 0)
+        assert isinstance(stream, int), f"stream must be an int, got {type(stream)}"
+        assert set(kw) == set(self._KEYS), f"unexpected kwargs {sorted(kw)}"
+        if kw["head_dim"] not in INSTANTIATED:
+            raise ValueError(f"head_dim {kw['head_dim']} is not instantiated")
+        if kw["dtype"] not in DTYPES:
+            raise ValueError(f"bad dtype {kw['dtype']!r}")
+        if kw["nheads"] % kw["nheads_kv"]:
+            raise ValueError("nheads must be a multiple of nheads_kv")
+        assert isinstance(kw["softmax_scale"], float)
+        key = (kw["arch"], direction, kw["head_dim"], kw["dtype"])
+        if check_built:
+            if key not in self.built:
+                raise NotImplementedError(f"fake _C: kernel {key} not built")
+            self.calls.append((direction, kw["arch"], kw))
+        return kw
+
+    def _tensors(self, p, dtype, **refs):
+        B, Sq, Sk = p["batch"], p["seqlen_q"], p["seqlen_k"]
+        H, Hkv, D = p["nheads"], p["nheads_kv"], p["head_dim"]
+        shapes = {
+            "q": (B, Sq, H, D), "o": (B, Sq, H, D), "dout": (B, Sq, H, D), "dq": (B, Sq, H, D),
+            "k": (B, Sk, Hkv, D), "v": (B, Sk, Hkv, D),
+            "dk": (B, Sk, H, D), "dv": (B, Sk, H, D),  # per query head
+        }
+        out = []
+        for name, ref in refs.items():
+            assert isinstance(ref, tuple) and len(ref) == 4, f"{name}: bad ref {ref!r}"
+            ptr, *strides = ref
+            assert ptr % 16 == 0, f"{name}: pointer not 16-byte aligned"
+            for n, s in zip(shapes[name][:3], strides):
+                assert n == 1 or s % 8 == 0, f"{name}: stride {s} not a multiple of 8"
+            out.append(_raw(ptr, shapes[name], (*strides, 1), dtype, self.device))
+        return out
+
+    def archs_called(self, direction=None):
+        return [a for d, a, _ in self.calls if direction is None or d == direction]

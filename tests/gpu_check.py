@@ -1,0 +1,51 @@
+"""Running one accuracy case on the GPU: poisoned memory, our call, the two references, the rule."""
+
+import pytest
+import torch
+
+import cutlass_flash
+from attn_ref import assert_within_tolerance, reference_outputs
+from cases import make_dout, make_inputs, missing_kernels
+
+OUTPUT_NAMES = ("out", "lse", "dq", "dk", "dv")
+
+
+def poison_cuda_cache(case, device="cuda", copies=3):
+    """Leaves NaN-filled blocks of the sizes our call allocates in the caching allocator, so
+    outputs (torch.empty) the kernels fail to write hold NaN instead of stale valid numbers."""
+    hd = cutlass_flash.padded_head_dim(case.head_dim)
+    B, Sq, Sk, H, Hkv, D = (case.batch, case.seqlen_q, case.seqlen_k, case.nheads,
+                            case.nheads_kv, case.head_dim)
+    sizes = {
+        2 * B * Sq * H * hd,   # out, dq (padded)
+        4 * B * H * Sq,        # lse
+        2 * B * Sk * H * hd,   # dk, dv per query head (padded)
+        2 * B * Sq * H * D,    # out, dq (sliced)
+        2 * B * Sk * Hkv * D,  # dk, dv (summed / sliced)
+    }
+    blocks = [torch.full((n,), 0xFF, dtype=torch.uint8, device=device)
+              for n in sorted(sizes) for _ in range(copies)]
+    del blocks  # back to the cache, still holding 0xFF bytes (NaN in fp16, bf16 and fp32)
+
+
+def skip_if_not_built(case):
+    missing = missing_kernels(case)
+    if missing:
+        pytest.skip(f"kernels not in this build: {missing}")
+
+
+def check_case(case, device="cuda"):
+    """Forward and backward of one case against the float64 reference, by the accuracy rule."""
+    skip_if_not_built(case)
+    q, k, v = make_inputs(case, device)
+    dout = make_dout(case, device)
+    poison_cuda_cache(case, device)
+    with cutlass_flash.force_arch(case.arch):
+        out, lse = cutlass_flash.flash_attn_func(q, k, v, causal=case.causal, return_lse=True)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    ours = (out, lse, dq, dk, dv)
+    ref = reference_outputs(q, k, v, dout, case.causal, dtype=torch.float64)
+    same = reference_outputs(q, k, v, dout, case.causal)
+    for name, o, s, r in zip(OUTPUT_NAMES, ours, same, ref):
+        assert_within_tolerance(f"{case.id}: {name}", o, s, r)
+    return ours

@@ -1,0 +1,274 @@
+"""GPU tests beyond the accuracy grid: the binding writes every output element, determinism,
+opcheck, torch.compile, forced kernel families, missing kernels, streams, CUDA graphs, devices."""
+
+import math
+
+import pytest
+import torch
+
+import cutlass_flash
+from cutlass_flash import _dispatch, _ops, flash_attn_func
+from attn_ref import assert_within_tolerance, reference_outputs
+from cases import Case, make_dout, make_inputs, kernel_archs
+from gpu_check import OUTPUT_NAMES, check_case, skip_if_not_built
+
+pytestmark = pytest.mark.gpu
+
+
+def _sm90():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+class SpyC:
+    """Wraps the binding: records the family of each call, can hide kernels from built_kernels."""
+
+    def __init__(self, real, hide=()):
+        self._real = real
+        self._hide = set(hide)
+        self.calls = []
+
+    def built_kernels(self):
+        return [k for k in self._real.built_kernels() if tuple(k) not in self._hide]
+
+    def fwd(self, *args, **kw):
+        self.calls.append(("fwd", kw["arch"]))
+        return self._real.fwd(*args, **kw)
+
+    def bwd(self, *args, **kw):
+        self.calls.append(("bwd", kw["arch"]))
+        return self._real.bwd(*args, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    s = SpyC(_dispatch.lib())
+    monkeypatch.setattr(_dispatch, "_C", s)
+    _dispatch.reset_caches()
+    yield s
+    _dispatch.reset_caches()
+
+
+# -- the binding writes every element -----------------------------------------------------------
+
+def _binding_cases():
+    out = []
+    for arch in kernel_archs():
+        out += [
+            Case(2, 239, 113, 4, 1, 64, "fp16", True, arch),    # MQA, 126 rows see no key
+            Case(2, 113, 239, 4, 2, 128, "bf16", False, arch),  # GQA
+            Case(1, 1023, 1024, 2, 2, 256, "bf16", True, arch),
+            Case(2, 17, 1, 2, 2, 96, "fp16", True, arch),
+        ]
+    return out
+
+
+@pytest.mark.parametrize("case", _binding_cases(), ids=lambda c: c.id)
+def test_binding_writes_every_element(case):
+    """_C.fwd/_C.bwd into NaN-filled out, lse, dq, dk, dv and workspace: no NaN may remain."""
+    skip_if_not_built(case)
+    C = _dispatch.lib()
+    q, k, v = (t.detach().contiguous() for t in make_inputs(case, "cuda"))
+    dout = make_dout(case, "cuda")
+    B, Sq, Sk, H, Hkv, D = (case.batch, case.seqlen_q, case.seqlen_k, case.nheads,
+                            case.nheads_kv, case.head_dim)
+    nan = float("nan")
+    out = torch.full_like(q, nan)
+    lse = torch.full((B, H, Sq), nan, dtype=torch.float32, device="cuda")
+    problem = _ops._problem(q, k, D, 1 / math.sqrt(D), -1, 0 if case.causal else -1, case.dtype)
+    stream = torch.cuda.current_stream().cuda_stream
+    C.fwd(_ops._ref4(q), _ops._ref4(k), _ops._ref4(v), _ops._ref4(out), lse.data_ptr(),
+          **problem, arch=case.arch, stream=stream)
+    dq = torch.full_like(q, nan)
+    dk = torch.full((B, Sk, H, D), nan, dtype=q.dtype, device="cuda")  # per query head
+    dv = torch.full_like(dk, nan)
+    workspace = torch.full((C.bwd_workspace_bytes(**problem, arch=case.arch),), 0xFF,
+                           dtype=torch.uint8, device="cuda")
+    C.bwd(_ops._ref4(q), _ops._ref4(k), _ops._ref4(v), _ops._ref4(out), _ops._ref4(dout),
+          lse.data_ptr(), _ops._ref4(dq), _ops._ref4(dk), _ops._ref4(dv), workspace.data_ptr(),
+          **problem, arch=case.arch, stream=stream)
+    torch.cuda.synchronize()
+    for name, t in (("out", out), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
+        assert not torch.isnan(t).any(), f"{name}: {int(torch.isnan(t).sum())} unwritten (NaN)"
+    g = H // Hkv
+    dk = dk.view(B, Sk, Hkv, g, D).sum(3)
+    dv = dv.view(B, Sk, Hkv, g, D).sum(3)
+    ref = reference_outputs(q, k, v, dout, case.causal, dtype=torch.float64)
+    same = reference_outputs(q, k, v, dout, case.causal)
+    for name, o, s, r in zip(OUTPUT_NAMES, (out, lse, dq, dk, dv), same, ref):
+        assert_within_tolerance(f"{case.id}: {name}", o, s, r)
+    # The public API runs the same kernels: identical forward.
+    with cutlass_flash.force_arch(case.arch):
+        out_api, lse_api = flash_attn_func(q, k, v, causal=case.causal, return_lse=True)
+    assert torch.equal(out_api, out) and torch.equal(lse_api, lse)
+
+
+# -- determinism ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("causal", [False, True], ids=["nomask", "causal"])
+@pytest.mark.parametrize("arch", kernel_archs(), ids=lambda a: f"sm{a}")
+def test_forward_deterministic(arch, causal):
+    case = Case(2, 1023, 2047, 8, 2, 128, "bf16", causal, arch)
+    skip_if_not_built(case)
+    q, k, v = (t.detach() for t in make_inputs(case, "cuda"))
+    with cutlass_flash.force_arch(arch):
+        out1, lse1 = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+        out2, lse2 = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
+
+
+# -- torch.library.opcheck ------------------------------------------------------------------------
+
+OPCHECK_CASES = [
+    Case(2, 64, 96, 4, 4, 64, "bf16", False, 0),
+    Case(2, 77, 50, 6, 2, 40, "fp16", True, 0),
+]
+
+
+@pytest.mark.parametrize("case", OPCHECK_CASES, ids=lambda c: c.id)
+def test_opcheck(case):
+    q, k, v = make_inputs(case, "cuda")
+    q, k, v = (t.detach().contiguous().requires_grad_() for t in (q, k, v))
+    wr = 0 if case.causal else -1
+    scale = case.head_dim ** -0.5
+    tol = dict(atol=2e-2, rtol=2e-2)
+    torch.library.opcheck(torch.ops.cutlass_flash.fwd.default, (q, k, v, scale, -1, wr, 0), **tol)
+    out, lse = torch.ops.cutlass_flash.fwd(q, k, v, scale, -1, wr, 0)
+    dout = make_dout(case, "cuda")
+    torch.library.opcheck(
+        torch.ops.cutlass_flash.bwd.default,
+        (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, scale, -1, wr, 0), **tol,
+    )
+
+
+# -- torch.compile --------------------------------------------------------------------------------
+
+class TinyAttention(torch.nn.Module):
+    def __init__(self, dim=256, nheads=4, nheads_kv=2):
+        super().__init__()
+        self.nheads, self.nheads_kv, self.head_dim = nheads, nheads_kv, dim // nheads
+        kv_dim = nheads_kv * self.head_dim
+        self.q = torch.nn.Linear(dim, dim, device="cuda", dtype=torch.bfloat16)
+        self.kv = torch.nn.Linear(dim, 2 * kv_dim, device="cuda", dtype=torch.bfloat16)
+        self.proj = torch.nn.Linear(dim, dim, device="cuda", dtype=torch.bfloat16)
+        self.norm = torch.nn.LayerNorm(dim, device="cuda", dtype=torch.bfloat16)
+
+    def forward(self, x):
+        b, s, dim = x.shape
+        h = self.norm(x)
+        q = self.q(h).view(b, s, self.nheads, self.head_dim)
+        k, v = self.kv(h).view(b, s, 2, self.nheads_kv, self.head_dim).unbind(2)
+        y = flash_attn_func(q, k, v, causal=True).reshape(b, s, dim)
+        return (x + self.proj(y)).float().square().mean()
+
+
+def _train_step(model, fn, x):
+    model.zero_grad(set_to_none=True)
+    loss = fn(x)
+    loss.backward()
+    return loss.detach(), [p.grad.detach().clone() for p in model.parameters()]
+
+
+def test_compile_fullgraph_training_step():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TinyAttention()
+    x = torch.randn(2, 200, 256, device="cuda", dtype=torch.bfloat16)
+    loss_e, grads_e = _train_step(model, model, x)
+    compiled = torch.compile(model, fullgraph=True)  # raises on any graph break
+    loss_c, grads_c = _train_step(model, compiled, x)
+    torch.testing.assert_close(loss_c, loss_e, rtol=2e-2, atol=1e-4)
+    for (name, _), gc, ge in zip(model.named_parameters(), grads_c, grads_e):
+        scale = ge.abs().max().item()
+        err = (gc.float() - ge.float()).abs().max().item()
+        assert err <= 5e-2 * scale + 1e-6, f"{name}: max|compiled - eager| = {err} (max {scale})"
+    torch._dynamo.reset()
+
+
+# -- kernel families -----------------------------------------------------------------------------
+
+@pytest.mark.skipif(not _sm90(), reason="needs an sm90 GPU")
+def test_force_arch_80_on_sm90(spy):
+    case = Case(2, 239, 300, 4, 2, 128, "bf16", True, 80)
+    check_case(case)  # check_case runs under force_arch(case.arch)
+    assert spy.calls == [("fwd", 80), ("bwd", 80)]
+    spy.calls.clear()
+    q, k, v = make_inputs(case, "cuda")
+    flash_attn_func(q, k, v).sum().backward()
+    expected = 90 if (90, "fwd", 128, "bf16") in cutlass_flash.built_kernels() else 80
+    assert spy.calls[0] == ("fwd", expected)
+
+
+@pytest.mark.skipif(_sm90(), reason="runs on GPUs that are not sm90")
+def test_force_arch_90_needs_sm90():
+    q, k, v = (t.detach() for t in make_inputs(Case(1, 16, 16, 2, 2, 64, "fp16", False, 0), "cuda"))
+    with cutlass_flash.force_arch(90), pytest.raises(RuntimeError, match="sm90"):
+        flash_attn_func(q, k, v)
+
+
+def test_auto_arch(spy):
+    case = Case(1, 128, 128, 2, 2, 64, "fp16", False, 0)
+    skip_if_not_built(Case(1, 128, 128, 2, 2, 64, "fp16", False, 80))
+    q, k, v = make_inputs(case, "cuda")
+    flash_attn_func(q, k, v).sum().backward()
+    built = set(cutlass_flash.built_kernels())
+    expected = [(d, 90 if _sm90() and (90, d, 64, "fp16") in built else 80) for d in ("fwd", "bwd")]
+    assert spy.calls == expected
+
+
+def test_missing_kernel_raises_not_implemented(monkeypatch):
+    hidden = [(a, d, 128, "bf16") for a in (80, 90) for d in ("fwd", "bwd")]
+    monkeypatch.setattr(_dispatch, "_C", SpyC(_dispatch.lib(), hide=hidden))
+    _dispatch.reset_caches()
+    try:
+        q, k, v = (t.detach() for t in make_inputs(Case(1, 32, 32, 2, 2, 128, "bf16", False, 0),
+                                                    "cuda"))
+        with pytest.raises(NotImplementedError, match=r"head_dim=128, dtype=bf16"):
+            flash_attn_func(q, k, v)
+        # A padded head dim that maps onto the missing one fails the same way.
+        with pytest.raises(NotImplementedError, match=r"head_dim=128"):
+            flash_attn_func(q[..., :104], k[..., :104], v[..., :104])
+    finally:
+        _dispatch.reset_caches()
+
+
+# -- streams, CUDA graphs, devices ---------------------------------------------------------------
+
+def test_side_stream():
+    case = Case(2, 300, 300, 4, 4, 64, "fp16", True, 0)
+    q, k, v = (t.detach() for t in make_inputs(case, "cuda"))
+    ref = flash_attn_func(q, k, v, causal=True)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        out = flash_attn_func(q, k, v, causal=True)
+    torch.cuda.current_stream().wait_stream(s)
+    assert torch.equal(out, ref)
+
+
+def test_cuda_graph_capture():
+    case = Case(2, 256, 256, 4, 2, 128, "bf16", True, 0)
+    q, k, v = (t.detach() for t in make_inputs(case, "cuda"))
+    ref = flash_attn_func(q, k, v, causal=True)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up outside capture
+        flash_attn_func(q, k, v, causal=True)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attn_func(q, k, v, causal=True)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tensors_on_second_gpu():
+    case = Case(2, 128, 200, 4, 2, 64, "bf16", True, 0)
+    torch.cuda.set_device(0)
+    check_case(case, device="cuda:1")
+    assert torch.cuda.current_device() == 0

@@ -1,0 +1,149 @@
+"""Argument validation of flash_attn_func (CPU only).
+
+Shape, dtype and layout checks run before the device checks, so CPU and meta tensors reach them;
+the device checks are tested with CPU tensors (not CUDA) and with the fake backend (capability).
+"""
+
+import re
+
+import pytest
+import torch
+
+import cutlass_flash
+from cutlass_flash import _validate, flash_attn_func
+
+F16, BF16 = torch.float16, torch.bfloat16
+
+
+def T(*shape, dtype=F16, device="cpu"):
+    return torch.empty(*shape, dtype=dtype, device=device)
+
+
+def qkv(b=2, sq=16, sk=24, h=4, hkv=2, d=64, dtype=F16, device="cpu"):
+    return (T(b, sq, h, d, dtype=dtype, device=device),
+            T(b, sk, hkv, d, dtype=dtype, device=device),
+            T(b, sk, hkv, d, dtype=dtype, device=device))
+
+
+def last_dim_strided(*shape, dtype=F16):
+    """A tensor of `shape` whose last dim has stride 2."""
+    return T(*shape[:-1], shape[-1] * 2, dtype=dtype)[..., ::2]
+
+
+def _replace(args, name, value):
+    q, k, v = args
+    return {"q": (value, k, v), "k": (q, value, v), "v": (q, k, value)}[name]
+
+
+BAD_INPUTS = {
+    # id: (q, k, v, exception, regex)
+    "q-not-tensor": (lambda: _replace(qkv(), "q", [[1.0]]), TypeError,
+                     r"q must be a torch\.Tensor"),
+    "k-not-tensor": (lambda: _replace(qkv(), "k", None), TypeError, r"k must be a torch\.Tensor"),
+    "q-3d": (lambda: _replace(qkv(), "q", T(2, 16, 64)), ValueError, r"q must be 4-D"),
+    "k-5d": (lambda: _replace(qkv(), "k", T(2, 24, 2, 1, 64)), ValueError, r"k must be 4-D"),
+    "v-3d": (lambda: _replace(qkv(), "v", T(24, 2, 64)), ValueError, r"v must be 4-D"),
+    "q-float32": (lambda: qkv(dtype=torch.float32), TypeError,
+                  r"q must be torch\.float16 or torch\.bfloat16, got torch\.float32"),
+    "k-dtype-mismatch": (lambda: _replace(qkv(), "k", T(2, 24, 2, 64, dtype=BF16)), TypeError,
+                         r"same dtype.*k is torch\.bfloat16"),
+    "v-dtype-mismatch": (lambda: _replace(qkv(dtype=BF16), "v", T(2, 24, 2, 64)), TypeError,
+                         r"same dtype.*v is torch\.float16"),
+    "kv-shape-mismatch": (lambda: _replace(qkv(), "v", T(2, 25, 2, 64)), ValueError,
+                          r"k and v must have the same shape"),
+    "batch-mismatch": (lambda: (T(3, 16, 4, 64),) + qkv()[1:], ValueError, r"batch"),
+    "head-dim-mismatch": (lambda: (T(2, 16, 4, 128),) + qkv()[1:], ValueError, r"head_dim"),
+    "head-dim-not-multiple-of-8": (lambda: qkv(d=60), ValueError, r"multiple of 8.*got 60"),
+    "head-dim-too-large": (lambda: qkv(d=264), ValueError, r"at most 256|and 256, got 264"),
+    "nheads-not-multiple": (lambda: qkv(h=6, hkv=4), ValueError,
+                            r"nheads \(6\) must be a multiple of k/v's nheads \(4\)"),
+    "seqlen-q-zero": (lambda: qkv(sq=0), ValueError, r"seqlen_q .* must be >= 1"),
+    "seqlen-k-zero": (lambda: qkv(sk=0), ValueError, r"seqlen_k .* must be >= 1"),
+    "batch-zero": (lambda: qkv(b=0), ValueError, r"batch .* must be >= 1"),
+    "q-last-dim-not-contiguous": (lambda: _replace(qkv(), "q", last_dim_strided(2, 16, 4, 64)),
+                                  ValueError, r"q must have a contiguous last dimension"),
+    "k-last-dim-not-contiguous": (lambda: _replace(qkv(), "k", T(2, 24, 64, 2).transpose(2, 3)),
+                                  ValueError, r"k must have a contiguous last dimension"),
+    "v-last-dim-not-contiguous": (lambda: _replace(qkv(), "v", last_dim_strided(2, 24, 2, 64)),
+                                  ValueError, r"v must have a contiguous last dimension"),
+    "q-misaligned-offset": (lambda: _replace(qkv(), "q", T(2, 16, 4, 65)[..., 1:]), ValueError,
+                            r"q must be 16-byte aligned"),
+    "k-misaligned-row-stride": (lambda: _replace(qkv(), "k", T(2, 24, 2, 68)[..., :64]),
+                                ValueError, r"k must be 16-byte aligned"),
+    "k-on-other-device": (lambda: _replace(qkv(), "k", T(2, 24, 2, 64, device="meta")),
+                          ValueError, r"same device.*k is on meta"),
+    "v-on-other-device": (lambda: _replace(qkv(), "v", T(2, 24, 2, 64, device="meta")),
+                          ValueError, r"same device.*v is on meta"),
+    "cpu-tensors": (lambda: qkv(), ValueError, r"must be CUDA tensors; q is on device 'cpu'"),
+    "meta-tensors": (lambda: qkv(device="meta"), ValueError, r"CUDA tensors; q is on .*meta"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS), ids=list(BAD_INPUTS))
+def test_bad_inputs_raise(case):
+    make, exc, pattern = BAD_INPUTS[case]
+    q, k, v = make()
+    with pytest.raises(exc, match=pattern):
+        flash_attn_func(q, k, v)
+    # The same through the internal entry point the wrapper uses.
+    with pytest.raises(exc, match=pattern):
+        _validate.check_inputs(q, k, v)
+
+
+def test_alignment_ignores_strides_of_size_one_dims(fake_backend):
+    k = T(1, 24, 1, 64)
+    # Batch and head strides of size-1 dims are never used: they need not be aligned.
+    q = T(1, 16, 1, 64).as_strided((1, 16, 1, 64), (5, 64, 7, 1))
+    _validate.check_inputs(q, k, k)
+    # A row stride of 68 elements (136 bytes) is not 16-byte aligned.
+    q = T(1, 16, 1, 68).as_strided((1, 16, 1, 64), (5, 68, 7, 1))
+    with pytest.raises(ValueError, match="q must be 16-byte aligned"):
+        _validate.check_inputs(q, k, k)
+
+
+@pytest.mark.parametrize("scale,exc", [(float("nan"), ValueError), (float("inf"), ValueError),
+                                       (torch.tensor(0.5), TypeError), ("0.5", TypeError)])
+def test_bad_softmax_scale(fake_backend, scale, exc):
+    q, k, v = qkv()
+    with pytest.raises(exc, match="softmax_scale"):
+        flash_attn_func(q, k, v, softmax_scale=scale)
+
+
+def test_valid_inputs_pass(fake_backend):
+    # On the fake backend, CPU stands in for CUDA.
+    for args in (qkv(), qkv(h=8, hkv=1, d=40, dtype=BF16), qkv(b=1, sq=1, sk=1, h=1, hkv=1, d=8)):
+        _validate.check_inputs(*args)
+
+
+@pytest.mark.parametrize("cap", [(7, 5), (7, 0), (6, 1)])
+def test_gpu_older_than_sm80_raises(fake_backend, cap):
+    fake_backend.set_capability(cap)
+    q, k, v = qkv()
+    msg = re.escape(f"compute capability {cap[0]}.{cap[1]} (sm{cap[0]}{cap[1]})")
+    with pytest.raises(RuntimeError, match=msg):
+        flash_attn_func(q, k, v)
+    assert fake_backend.calls == []
+
+
+def test_validation_precedes_the_op(fake_backend):
+    q, k, v = qkv(d=60)
+    with pytest.raises(ValueError):
+        flash_attn_func(q, k, v)
+    assert fake_backend.calls == []
+
+
+def test_op_checks_layout_when_called_directly(fake_backend):
+    q, k, v = qkv()
+    bad = last_dim_strided(2, 16, 4, 64)
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        torch.ops.cutlass_flash.fwd(bad, k, v, 0.125, -1, -1, 0)
+    with pytest.raises(ValueError, match="inconsistent shapes"):
+        torch.ops.cutlass_flash.fwd(q, k, v[:, :3], 0.125, -1, -1, 0)
+    with pytest.raises(TypeError):
+        torch.ops.cutlass_flash.fwd(q, k.to(BF16), v, 0.125, -1, -1, 0)
+    assert fake_backend.calls == []
+
+
+def test_public_names():
+    for name in cutlass_flash.__all__:
+        assert hasattr(cutlass_flash, name), name
