@@ -74,6 +74,14 @@ def reference_outputs(q, k, v, dout, causal=False, softmax_scale=None, dtype=Non
     return out.detach(), lse.detach(), dq, dk, dv
 
 
+# The slack of the rule. Gradients get more: with seqlen_k = 1 the softmax is constant, the exact
+# dK is 0 and PyTorch's same-dtype path returns exactly 0, while dS = P * (dP - D) is a difference
+# of two fp32 dot products accumulated in different orders; that cancellation noise, summed over
+# seqlen_q * group rows, measured 1.19e-5 at 239 * 4 rows (H200, bf16, d = 128). Typical bf16
+# gradient errors are ~1e-2, so 1e-4 stays far below what the rule's main term allows.
+SLACK = {"out": 1e-5, "lse": 1e-5, "dq": 1e-4, "dk": 1e-4, "dv": 1e-4}
+
+
 def max_abs_err(a, b):
     return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
 

@@ -63,48 +63,42 @@ struct FwdMainloop {
     Tensor tOsVt = thr_copy_v.partition_S(sVt);
 
     const int seqlen_k = mask.seqlen_k;
+    copy_rows(gmem_copy, tQgQ, tQsQ, tQcQ, mask.seqlen_q - m_block * kBlockM);
+    int n = n_max - 1;
+    copy_rows(gmem_copy, tKgK(_, _, _, n), tKsK, tKVcKV, seqlen_k - n * kBlockN);
+    cp_async_fence();
+
     Tensor o_rc = rowcol_view(acc_o);
-    // One key block. Only the first (highest) block can be partial, so only its loads are
-    // predicated, and only its softmax starts from an empty state: the first block is peeled.
-    // (Peeling the masked blocks too, three bodies, made ptxas move a fragment to a 1.9 KB stack
-    // frame at d = 64.)
-    auto step = [&](int n, auto is_first) {
-      constexpr bool kFirst = decltype(is_first)::value;
+    for (bool first = true; n >= n_min; --n, first = false) {
       Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
       clear(acc_s);
       cp_async_wait<0>();
       __syncthreads();  // K(n) visible to all; every warp finished reading V(n+1)
-      if constexpr (kFirst) {
-        copy_rows(gmem_copy, tVgV(_, _, _, n), tVsV, tKVcKV, seqlen_k - n * kBlockN);
-      } else {
-        copy(gmem_copy, tVgV(_, _, _, n), tVsV);
-      }
+      copy_rows(gmem_copy, tVgV(_, _, _, n), tVsV, tKVcKV, seqlen_k - n * kBlockN);
       cp_async_fence();
 
       gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, copy_q, copy_k, thr_copy_q, thr_copy_k);
-      if (kFirst || mask.block_needs_mask<kBlockM, kBlockN>(m_block, n)) {
+      if (mask.block_needs_mask<kBlockM, kBlockN>(m_block, n)) {
         mask.apply(acc_s, tScS, m_block * kBlockM, n * kBlockN);
       }
 
       cp_async_wait<0>();
       __syncthreads();  // V(n) visible to all; every warp finished reading K(n)
       if (n > n_min) {
-        copy(gmem_copy, tKgK(_, _, _, n - 1), tKsK);  // blocks below the first are full
+        copy_rows(gmem_copy, tKgK(_, _, _, n - 1), tKsK, tKVcKV, seqlen_k - (n - 1) * kBlockN);
         cp_async_fence();
       }
 
       Tensor scores = rowcol_view(acc_s);
-      softmax.template update<kFirst>(scores, o_rc);
+      if (first) {
+        softmax.template update</*kFirst=*/true>(scores, o_rc);
+      } else {
+        softmax.template update</*kFirst=*/false>(scores, o_rc);
+      }
       Tensor rP = convert_type<Element>(acc_s);
       Tensor tOrP = make_tensor(rP.data(), acc_as_a_layout(rP.layout()));
       gemm_rs(acc_o, tOrP, tOrVt, tOsVt, tiled_mma, copy_v, thr_copy_v);
-    };
-
-    copy_rows(gmem_copy, tQgQ, tQsQ, tQcQ, mask.seqlen_q - m_block * kBlockM);
-    copy_rows(gmem_copy, tKgK(_, _, _, n_max - 1), tKsK, tKVcKV, seqlen_k - (n_max - 1) * kBlockN);
-    cp_async_fence();
-    step(n_max - 1, /*is_first=*/cute::true_type{});
-    for (int n = n_max - 2; n >= n_min; --n) step(n, /*is_first=*/cute::false_type{});
+    }
   }
 };
 

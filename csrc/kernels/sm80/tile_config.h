@@ -16,7 +16,7 @@ struct FwdTile {
 constexpr FwdTile fwd_tile(int head_dim) {
   // hdim 64: 128x128 (Q 16 KB + K,V 32 KB); 96/128: 128x64; 192/256: 128x64 with 8 warps
   // (16 rows per warp: a 4-warp block would need 2x the O accumulator registers per thread).
-  return head_dim <= 64    ? FwdTile{128, 128, 4}
+  return head_dim <= 64    ? FwdTile{128, 64, 4}
          : head_dim <= 128 ? FwdTile{128, 64, 4}
                            : FwdTile{128, 64, 8};
 }
