@@ -32,6 +32,11 @@ struct BwdTraits {
   using TiledMmaSdP = BwdTiledMma<Element, kNWarps, kAtomMSdP>;  // (kBlockM, kBlockN) tiles
   using TiledMmadKV = BwdTiledMma<Element, kNWarps, kAtomNdKV>;  // (kBlockN, d) tiles
   using TiledMmadQ = BwdTiledMma<Element, kNWarps, kAtomMdQ>;    // (kBlockM, d) tiles
+  // Each tiled MMA must tile its output exactly: a partial tile would make the fragments cover
+  // more than the block (the dQ scratch tile would overflow into its neighbour).
+  static_assert(kBlockM % (16 * kAtomMSdP) == 0 && kBlockN % (16 * kNWarps / kAtomMSdP) == 0);
+  static_assert(kBlockN % (16 * kAtomNdKV) == 0 && kHeadDim % (16 * kNWarps / kAtomNdKV) == 0);
+  static_assert(kBlockM % (16 * kAtomMdQ) == 0 && kHeadDim % (16 * kNWarps / kAtomMdQ) == 0);
 
   using Smem = SmemTileLayout<Element, kHeadDim>;
   using SmemLayoutQdO = typename Smem::template Tile<kBlockM>;

@@ -41,6 +41,7 @@ struct FwdTraits {
   static constexpr int kNWarps = kNWarps_;
   static constexpr int kNThreads = kNWarps * 32;
   static_assert(kBlockM == 16 * kNWarps || kBlockM == 32 * kNWarps, "16 or 32 query rows per warp");
+  static_assert(kBlockN % 16 == 0 && kHeadDim % 16 == 0, "the MMA tiles S and O exactly");
 
   using TiledMma = TiledMMA<MMA_Atom<Mma16816<Element>>, Layout<Shape<Int<kNWarps>, _1, _1>>,
                             Tile<Int<16 * kNWarps>, _16, _16>>;

@@ -33,7 +33,9 @@ constexpr BwdTile bwd_tile(int head_dim) {
   // The block keeps K, V (block_n x d) and accumulates dK, dV in registers; the m-loop streams
   // Q, dO. FlashAttention-2's sm80 choices. Above 128, a second Q stage would need 176 KB of
   // shared memory at d = 256, more than an A100 has (164 KB), so Q is single-buffered there.
+  // d = 96 spreads the dQ warps 4 x 2 so that the dQ MMA's 32-column extent divides 96.
   return head_dim <= 64    ? BwdTile{128, 128, 8, 4, 4, 4, 2}
+         : head_dim <= 96  ? BwdTile{64, 128, 8, 2, 4, 4, 2}
          : head_dim <= 128 ? BwdTile{64, 128, 8, 2, 4, 2, 2}
                            : BwdTile{64, 64, 8, 4, 2, 2, 1};
 }
