@@ -1,5 +1,6 @@
 // Where one (batch, head) slice of a tensor starts (arch-neutral). Variable-length batches
-// (cu_seqlens) change only this struct: per-batch sequence lengths and row offsets.
+// (cu_seqlens) will extend this: a per-batch row offset and sequence lengths read here, so the
+// mainloops keep seeing one (seqlen, head_dim) matrix per (batch, head).
 #pragma once
 
 #include <cstdint>
@@ -9,10 +10,6 @@
 namespace cutlass_flash {
 
 struct BlockInfo {
-  int seqlen_q, seqlen_k;
-
-  __host__ __device__ explicit BlockInfo(const AttnProblem& p) : seqlen_q(p.seqlen_q), seqlen_k(p.seqlen_k) {}
-
   template <typename Element>
   __host__ __device__ static Element* slice(const TensorRef4& t, int batch, int head) {
     return static_cast<Element*>(t.ptr) + batch * t.batch_stride + head * t.head_stride;
