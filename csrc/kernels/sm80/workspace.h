@@ -20,7 +20,8 @@ constexpr int kWorkspaceRowAlign = 128;
 
 struct BwdWorkspace {
   int64_t seqlen_q_rounded;
-  size_t dq_accum_offset;  // float[batch][nheads][seqlen_q_rounded][head_dim]
+  size_t dq_accum_offset;  // float[batch][nheads][seqlen_q_rounded * head_dim]: per query tile,
+                           // thread-major (bwd_mainloop.h, dq_accum_index)
   size_t dpsum_offset;     // float[batch][nheads][seqlen_q_rounded], rowsum(dO * O)
   size_t total_bytes;
 };
