@@ -12,11 +12,12 @@
    library with rpath $ORIGIN. Neither piece includes a torch or (for the library) Python header.
 
 Build knobs (environment variables):
-    CUTLASS_FLASH_ARCHS         kernel families                              default "80"
+    CUTLASS_FLASH_ARCHS         kernel families (80: Ampere-style, 90: Hopper) default "80,90"
     CUTLASS_FLASH_HEAD_DIMS     head dims (64,96,128,192,256)                default all
     CUTLASS_FLASH_DTYPES        fp16,bf16                                    default both
     CUTLASS_FLASH_FWD_ONLY      1: no backward kernels                       default 0
     CUTLASS_FLASH_SM80_SASS     SASS targets of the sm80 family              default "80,90"
+    CUTLASS_FLASH_SM90_SASS     SASS targets of the sm90 family              default "90a" (only)
     CUTLASS_FLASH_JOBS          parallel nvcc processes                      default all cores
     CUTLASS_FLASH_CUTLASS_DIR   a CUTLASS checkout whose include/ replaces the nvidia-cutlass wheel's
     CUTLASS_FLASH_NVCC_FLAGS    extra nvcc flags (before the include paths)   default none

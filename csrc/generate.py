@@ -82,12 +82,15 @@ FAMILIES: Tuple[Family, ...] = (
     Family(arch=80, directions=("fwd", "bwd"), head_dims=HEAD_DIMS,
            sass_default=("80", "90"),
            sass_allowed=tuple(s for s in KNOWN_SASS if s != "90a")),
-    # The Hopper family (wgmma, TMA) joins here as Family(arch=90, ..., sass_default=("90a",))
-    # once csrc/kernels/sm90/fwd_launch.h exists.
+    # Hopper (FlashAttention-3-style: TMA, wgmma, warp specialization). wgmma and setmaxnreg
+    # exist only in the arch-specific sm_90a target. Forward only: the backward of an sm90
+    # forward runs on the sm80 family.
+    Family(arch=90, directions=("fwd",), head_dims=HEAD_DIMS,
+           sass_default=("90a",), sass_allowed=("90a",)),
 )
 FAMILY_BY_ARCH: Dict[int, Family] = {f.arch: f for f in FAMILIES}
 
-DEFAULT_ARCHS: Tuple[int, ...] = (80,)
+DEFAULT_ARCHS: Tuple[int, ...] = (80, 90)
 
 ENV_ARCHS = "CUTLASS_FLASH_ARCHS"
 ENV_HEAD_DIMS = "CUTLASS_FLASH_HEAD_DIMS"

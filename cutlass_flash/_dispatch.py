@@ -23,6 +23,11 @@ ENV_FORCE_ARCH = "CUTLASS_FLASH_FORCE_ARCH"
 #: 90 = Hopper (wgmma/TMA; runs on sm90 only).
 ARCHS = (80, 90)
 
+#: Directions each family has kernels for (csrc/generate.py's FAMILIES; a test keeps them equal).
+#: A direction a family lacks runs on FALLBACK_ARCH: the backward of an sm90 forward is sm80's.
+FAMILY_DIRECTIONS = {80: ("fwd", "bwd"), 90: ("fwd",)}
+FALLBACK_ARCH = 80
+
 #: Head dims that have kernels. Other multiples of 8 up to 256 are zero-padded to the next one.
 INSTANTIATED_HEAD_DIMS = (64, 96, 128, 192, 256)
 MAX_HEAD_DIM = INSTANTIATED_HEAD_DIMS[-1]
@@ -213,12 +218,15 @@ def resolve_arch(requested, direction, head_dim, dtype_name, device):
     """The kernel family to run: ``requested`` (80 or 90) or, for 0, auto.
 
     Auto is 90 on an sm90 GPU when this build has the sm90 kernel for (direction, head_dim,
-    dtype), else 80. Raises ValueError (not a CUDA device / bad request), RuntimeError (GPU too
+    dtype), else 80. A family with no kernels of ``direction`` at all (sm90 backward) is replaced
+    by FALLBACK_ARCH, forced or not. Raises ValueError (not a CUDA device / bad request), RuntimeError (GPU too
     old, or sm90 kernels forced on a GPU that is not sm90), NotImplementedError (not built).
     ``head_dim`` is the instantiated (padded) head dim.
     """
     cap = check_capability(device)
     built = built_kernel_set()
+    if requested in FAMILY_DIRECTIONS and direction not in FAMILY_DIRECTIONS[requested]:
+        requested = FALLBACK_ARCH
     if requested == 0:
         if cap[0] == 9 and (90, direction, head_dim, dtype_name) in built:
             return 90

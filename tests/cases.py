@@ -101,7 +101,11 @@ def missing_kernels(case):
 
     built = set(built_kernels() or ())
     hd = cutlass_flash.padded_head_dim(case.head_dim)
-    need = [(case.arch, d, hd, case.dtype) for d in ("fwd", "bwd")]
+    from cutlass_flash import _dispatch
+
+    dirs = _dispatch.FAMILY_DIRECTIONS.get(case.arch, ("fwd", "bwd"))
+    arch = {d: case.arch if d in dirs else _dispatch.FALLBACK_ARCH for d in ("fwd", "bwd")}
+    need = [(arch[d], d, hd, case.dtype) for d in ("fwd", "bwd")]
     return [k for k in need if k not in built]
 
 

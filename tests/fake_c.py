@@ -18,8 +18,11 @@ INSTANTIATED = (64, 96, 128, 192, 256)
 
 
 def all_kernels(archs=(80, 90), head_dims=INSTANTIATED, dtypes=("fp16", "bf16")):
+    from cutlass_flash._dispatch import FAMILY_DIRECTIONS
+
     return [
-        (a, d, h, t) for a in archs for d in ("fwd", "bwd") for h in head_dims for t in dtypes
+        (a, d, h, t)
+        for a in archs for d in FAMILY_DIRECTIONS[a] for h in head_dims for t in dtypes
     ]
 
 

@@ -58,8 +58,26 @@ def test_default_selection():
         assert i.source == ROOT / "csrc" / "generated" / i.filename
 
 
+def test_default_selection_has_hopper_forward():
+    insts = [i for i in gen.select(gen.Knobs.from_env({})) if i.arch == 90]
+    assert sorted((i.direction, i.head_dim, i.dtype) for i in insts) == sorted(
+        ("fwd", hd, dt) for hd in (64, 96, 128, 192, 256) for dt in ("fp16", "bf16"))
+    for i in insts:  # wgmma and setmaxnreg exist only in sm_90a
+        assert i.gencode == ("-gencode", "arch=compute_90a,code=sm_90a")
+    text = gen.translation_unit(gen.Instantiation(90, "fwd", 64, "fp16"))
+    assert "sm90::run_fwd<64, cutlass::half_t>(params, stream)" in text
+
+
+def test_python_family_directions_match_generator():
+    from cutlass_flash import _dispatch
+
+    assert _dispatch.FAMILY_DIRECTIONS == {f.arch: tuple(f.directions) for f in gen.FAMILIES}
+    assert set(_dispatch.ARCHS) == {f.arch for f in gen.FAMILIES}
+
+
 def test_restricted_selection():
-    env = {"CUTLASS_FLASH_HEAD_DIMS": "128, 64", "CUTLASS_FLASH_DTYPES": "bf16",
+    env = {"CUTLASS_FLASH_ARCHS": "80", "CUTLASS_FLASH_HEAD_DIMS": "128, 64",
+           "CUTLASS_FLASH_DTYPES": "bf16",
            "CUTLASS_FLASH_FWD_ONLY": "1", "CUTLASS_FLASH_SM80_SASS": "sm_80"}
     knobs = gen.Knobs.from_env(env)
     assert knobs.head_dims == (64, 128) and knobs.dtypes == ("bf16",) and knobs.fwd_only

@@ -28,6 +28,7 @@ __device__ __forceinline__ float quad_allreduce(float x, Op op) {
 
 template <int kNRows>
 struct OnlineSoftmax {
+  static constexpr int kRows = kNRows;
   cute::Tensor<cute::ArrayEngine<float, kNRows>, cute::Layout<cute::Shape<cute::Int<kNRows>>>> row_max, row_sum;
   float scale_log2;
 
@@ -42,24 +43,22 @@ struct OnlineSoftmax {
     return m == -INFINITY ? 0.f : m * scale_log2;
   }
 
-  // Turns `scores` (rows, cols) into unnormalised probabilities in place and rescales the output
-  // accumulator `acc_o` (rows, d) by exp(old_max - new_max). The row sums stay per-thread partial
-  // sums until finalize(), saving two shuffles per row per tile.
-  template <bool kFirst, typename TensorS, typename TensorO>
-  __device__ __forceinline__ void update(TensorS& scores, TensorO& acc_o) {
+  // Turns `scores` (rows, cols) into unnormalised probabilities in place and returns, per row,
+  // the factor exp(old_max - new_max) by which the output accumulator must be rescaled. The
+  // rescale is left to the caller: the sm90 mainloop applies it later, once no wgmma is writing
+  // the accumulator. The row sums stay per-thread partial sums until finalize(), saving two
+  // shuffles per row per tile.
+  template <bool kFirst, typename TensorS>
+  __device__ __forceinline__ auto max_and_exp(TensorS& scores) {
     static_assert(decltype(cute::size<0>(scores))::value == kNRows);
+    auto correction = cute::make_tensor<float>(cute::Shape<cute::Int<kNRows>>{});
     CUTE_UNROLL
     for (int mi = 0; mi < kNRows; ++mi) {
       float m = kFirst ? -INFINITY : row_max(mi);
       CUTE_UNROLL
       for (int ni = 0; ni < cute::size<1>(scores); ++ni) m = MaxOp{}(m, scores(mi, ni));
       m = quad_allreduce(m, MaxOp{});
-      if constexpr (!kFirst) {
-        const float correction = exp2f(scaled_max(row_max(mi)) - scaled_max(m));
-        row_sum(mi) *= correction;
-        CUTE_UNROLL
-        for (int di = 0; di < cute::size<1>(acc_o); ++di) acc_o(mi, di) *= correction;
-      }
+      correction(mi) = kFirst ? 1.f : exp2f(scaled_max(row_max(mi)) - scaled_max(m));
       row_max(mi) = m;
       const float offset = scaled_max(m);
       float s = 0.f;
@@ -68,8 +67,26 @@ struct OnlineSoftmax {
         scores(mi, ni) = exp2f(scores(mi, ni) * scale_log2 - offset);
         s += scores(mi, ni);
       }
-      row_sum(mi) += s;
+      row_sum(mi) = kFirst ? s : row_sum(mi) * correction(mi) + s;
     }
+    return correction;
+  }
+
+  // Multiplies each row of acc_o (rows, d) by its correction factor from max_and_exp().
+  template <typename TensorO, typename TensorC>
+  __device__ __forceinline__ static void rescale(TensorO& acc_o, const TensorC& correction) {
+    CUTE_UNROLL
+    for (int mi = 0; mi < kNRows; ++mi) {
+      CUTE_UNROLL
+      for (int di = 0; di < cute::size<1>(acc_o); ++di) acc_o(mi, di) *= correction(mi);
+    }
+  }
+
+  // max_and_exp() and the rescale in one step, for mainloops with no GEMM in flight on acc_o.
+  template <bool kFirst, typename TensorS, typename TensorO>
+  __device__ __forceinline__ void update(TensorS& scores, TensorO& acc_o) {
+    const auto correction = max_and_exp<kFirst>(scores);
+    if constexpr (!kFirst) rescale(acc_o, correction);
   }
 
   // Normalises acc_o and returns the per-row log-sum-exp (natural log) in `lse`. Rows that saw

@@ -5,7 +5,7 @@
 #include "kernels/sm80/fwd_kernel.h"
 #include "kernels/sm80/fwd_traits.h"
 #include "kernels/sm80/launch.h"
-#include "kernels/sm80/launch_utils.h"
+#include "kernels/common/launch_utils.h"
 #include "kernels/sm80/tile_config.h"
 
 namespace cutlass_flash::sm80 {

@@ -1,4 +1,4 @@
-// Host-side helpers shared by the sm80 launchers.
+// Host-side helpers shared by the launchers of every kernel family.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -8,7 +8,7 @@
 
 #include "cutlass_flash/api.h"
 
-namespace cutlass_flash::sm80 {
+namespace cutlass_flash {
 
 inline Status cuda_status(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return Status::Ok();
@@ -35,4 +35,18 @@ Status ensure_smem_limit(int smem_bytes) {
 
 inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
-}  // namespace cutlass_flash::sm80
+// Multiprocessor count of the current device, queried once per device (persistent grids size
+// themselves by it on every call).
+inline Status multiprocessor_count(int& count) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cached[kMaxDevices] = {};
+  int device = 0;
+  if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return cuda_status(err, "cudaGetDevice");
+  if (device < kMaxDevices && (count = cached[device].load(std::memory_order_relaxed)) > 0) return Status::Ok();
+  if (cudaError_t err = cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device); err != cudaSuccess)
+    return cuda_status(err, "cudaDeviceGetAttribute(MultiProcessorCount)");
+  if (device < kMaxDevices) cached[device].store(count, std::memory_order_relaxed);
+  return Status::Ok();
+}
+
+}  // namespace cutlass_flash

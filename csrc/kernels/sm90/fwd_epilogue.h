@@ -1,0 +1,117 @@
+// sm90 forward epilogue: O through shared memory and a TMA store, one 64-row slab per consumer
+// warpgroup (so warpgroups never wait for each other), and the log-sum-exp from registers.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cute/arch/copy_sm90_tma.hpp>
+
+#include <cmath>
+#include <cstdint>
+
+#include "cutlass_flash/params.h"
+#include "kernels/common/block_info.h"
+#include "kernels/common/tile_scheduler.h"
+#include "kernels/sm90/fwd_traits.h"
+#include "kernels/sm90/utils.h"
+
+namespace cutlass_flash::sm90 {
+
+using namespace cute;
+
+template <typename Traits>
+struct FwdEpilogue {
+  using Element = typename Traits::Element;
+  static constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
+
+  __device__ static Element* smem_o(typename Traits::SharedStorage& shared) {
+    return shared.qo.data() + (Traits::kOAliasesQ ? 0 : Traits::kQElems);
+  }
+
+  // Writes warpgroup wg's rows of lse: each row's value sits in all 4 threads of its quad; the
+  // first writes.
+  template <typename Params, typename Lse>
+  __device__ static void store_lse(const Params& params, const TileCoord& tile, const Lse& lse, int wg, int tid) {
+    const AttnProblem& p = params.problem;
+    typename Traits::TiledMmaPV mma_pv;
+    Tensor tOcO = rowcol_view(mma_pv.get_thread_slice(tid).partition_C(
+        make_identity_tensor(Shape<_64, Int<kHeadDim>>{})));
+    const int first_row = tile.block * kBlockM + wg * 64;
+    const int rows_left = p.seqlen_q - first_row;
+    float* out = params.lse + (int64_t(tile.batch) * p.nheads + tile.head) * p.seqlen_q + first_row;
+    if (tid % 4 == 0) {
+      CUTE_UNROLL
+      for (int mi = 0; mi < size(lse); ++mi) {
+        const int row = get<0>(tOcO(mi, 0));
+        if (row < rows_left) out[row] = lse(mi);
+      }
+    }
+  }
+
+  // acc_o: this thread's part of the normalised output of warpgroup wg (fp32); tid: the thread's
+  // index in its warpgroup.
+  template <typename Params, typename AccO, typename Lse>
+  __device__ static void store(const Params& params, typename Traits::SharedStorage& shared, const TileCoord& tile,
+                               const AccO& acc_o, const Lse& lse, int wg, int tid) {
+    const AttnProblem& p = params.problem;
+    const bool leader = tid == 0;
+    const int barrier = int(FwdBarrier::kEpilogueWG1) + wg;
+    typename Traits::TiledMmaPV mma_pv;
+    auto copy_o = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_pv);
+    auto thr_copy = copy_o.get_thread_slice(tid);
+    Tensor sO = make_tensor(make_smem_ptr(smem_o(shared) + wg * Traits::kSlabElems), typename Traits::SmemLayoutSlab{});
+    Tensor rO = convert_type<Element>(acc_o);
+    Tensor tOrO = thr_copy.retile_S(rO);
+    Tensor tOsO = thr_copy.partition_D(sO);
+
+    // The slab is free once this warpgroup's previous TMA store has read it (aliased: once the
+    // tile's last S GEMM, which every thread of the warpgroup has waited for, has read Q).
+    if constexpr (!Traits::kOAliasesQ) {
+      if (leader) tma_store_wait<0>();
+    }
+    cutlass::arch::NamedBarrier::sync(128, barrier);
+    copy(copy_o, tOrO, tOsO);
+    cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read next by TMA
+    cutlass::arch::NamedBarrier::sync(128, barrier);
+    if (leader) {
+      Tensor mO = params.tma_o.get_tma_tensor(make_shape(p.seqlen_q, p.head_dim, p.nheads, p.batch));
+      Tensor gO = local_tile(mO(_, _, tile.head, tile.batch), Shape<_64, Int<kHeadDim>>{},
+                             make_coord(tile.block * Traits::kNMmaWarpGroups + wg, _0{}));
+      auto [tOgO, tOsSlab] = tma_partition(params.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO), group_modes<0, 2>(gO));
+      copy(params.tma_o, tOsSlab, tOgO);  // rows past seqlen_q are clipped by the TMA unit
+      tma_store_arrive();
+      if constexpr (Traits::kOAliasesQ) {
+        tma_store_wait<0>();
+        shared.q_empty.arrive();  // the producer may load the next Q over this slab
+      }
+    }
+    store_lse(params, tile, lse, wg, tid);
+  }
+
+  // A tile whose rows see no key (causal with seqlen_q > seqlen_k): O = 0 and lse = +inf, stored
+  // directly. It does not touch shared memory, where the producer may already be loading the next
+  // tile's Q.
+  template <typename Params>
+  __device__ static void store_empty(const Params& params, const TileCoord& tile, int tid) {
+    const AttnProblem& p = params.problem;
+    constexpr int kChunks = kHeadDim * int(sizeof(Element)) / 16;  // 16-byte chunks per row
+    const int rows_left = p.seqlen_q - tile.block * kBlockM;
+    Element* o = BlockInfo::slice<Element>(params.o, tile.batch, tile.head);
+    for (int i = tid; i < kBlockM * kChunks; i += Traits::kNMmaThreads) {
+      const int row = i / kChunks;
+      if (row < rows_left) {
+        Element* dst = o + int64_t(tile.block * kBlockM + row) * params.o.row_stride + (i % kChunks) * 16 / int(sizeof(Element));
+        *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+      }
+    }
+    float* out = params.lse + (int64_t(tile.batch) * p.nheads + tile.head) * p.seqlen_q + tile.block * kBlockM;
+    for (int row = tid; row < kBlockM && row < rows_left; row += Traits::kNMmaThreads) out[row] = INFINITY;
+  }
+
+  // Shared memory must outlive the last TMA store's reads of it.
+  __device__ static void finish(int tid) {
+    if (tid == 0) tma_store_wait<0>();
+  }
+};
+
+}  // namespace cutlass_flash::sm90

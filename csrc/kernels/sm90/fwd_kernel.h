@@ -1,0 +1,95 @@
+// sm90 forward kernel: a persistent, warp-specialized block. Warpgroup 0 (one thread) loads Q, K
+// and V with TMA through mbarrier pipelines; warpgroups 1.. each own 64 query rows of the tile and
+// run the wgmma + softmax mainloop, then the epilogue, tile after tile.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include <cmath>
+
+#include "cutlass_flash/params.h"
+#include "kernels/common/mask.h"
+#include "kernels/common/softmax.h"
+#include "kernels/common/tile_scheduler.h"
+#include "kernels/sm90/fwd_epilogue.h"
+#include "kernels/sm90/fwd_mainloop.h"
+#include "kernels/sm90/fwd_traits.h"
+
+namespace cutlass_flash::sm90 {
+
+using namespace cute;
+
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kNThreads, 1)
+    fwd_kernel(const __grid_constant__ FwdKernelParams<Traits> params) {
+  using Mainloop = FwdMainloop<Traits>;
+  using Epilogue = FwdEpilogue<Traits>;
+  using PipelineKV = typename Traits::PipelineKV;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
+  extern __shared__ __align__(1024) char smem[];
+  auto& shared = *reinterpret_cast<typename Traits::SharedStorage*>(smem);
+
+  const AttnProblem& p = params.problem;
+  const WindowMask mask(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right);
+  const PersistentTileScheduler scheduler(params.num_m_blocks, p.nheads, p.batch, /*longest_first=*/p.window_right >= 0);
+  const int warp_group = cutlass::canonical_warp_group_idx();
+
+  if (threadIdx.x == 0) {
+    prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
+    prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
+    prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
+    prefetch_tma_descriptor(params.tma_o.get_tma_descriptor());
+    shared.q_full.init(1);
+    shared.q_empty.init(Traits::kQEmptyArrivals);
+  }
+  typename PipelineKV::Params pipeline_params;
+  pipeline_params.transaction_bytes = Traits::kKVBytes;
+  pipeline_params.role = warp_group == 0 ? PipelineKV::ThreadCategory::Producer : PipelineKV::ThreadCategory::Consumer;
+  pipeline_params.is_leader = threadIdx.x == 0;
+  pipeline_params.num_consumers = Traits::kNMmaThreads;
+  PipelineKV pipeline_k(shared.pipeline_k, pipeline_params, Shape<_1, _1, _1>{});
+  PipelineKV pipeline_v(shared.pipeline_v, pipeline_params, Shape<_1, _1, _1>{});
+  __syncthreads();  // barriers initialised before any thread waits on them
+
+  if (warp_group == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
+    if (threadIdx.x == 0) {
+      typename Mainloop::ProducerState state;
+      for (int t = scheduler.first(); scheduler.valid(t); t = scheduler.next(t)) {
+        const TileCoord tile = scheduler.coord(t);
+        int n_min, n_max;
+        mask.n_block_range<kBlockM, kBlockN>(tile.block, n_min, n_max);
+        if (n_min < n_max) Mainloop::load(params, shared, pipeline_k, pipeline_v, state, tile, n_min, n_max);
+      }
+    }
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
+    const int wg = warp_group - 1, tid = int(threadIdx.x) % 128;
+    const WarpScheduler<Traits::kNMmaWarpGroups> ping_pong{wg};
+    ping_pong.init();
+    typename Mainloop::ConsumerState state;
+    typename Traits::TiledMmaPV mma_pv;
+    for (int t = scheduler.first(); scheduler.valid(t); t = scheduler.next(t)) {
+      const TileCoord tile = scheduler.coord(t);
+      int n_min, n_max;
+      mask.n_block_range<kBlockM, kBlockN>(tile.block, n_min, n_max);
+      if (n_min >= n_max) {
+        Epilogue::store_empty(params, tile, int(threadIdx.x) - 128);
+        continue;
+      }
+      Tensor acc_o = partition_fragment_C(mma_pv, Shape<_64, Int<Traits::kHeadDim>>{});
+      clear(acc_o);
+      Tensor acc_o_rc = rowcol_view(acc_o);
+      OnlineSoftmax<decltype(size<0>(acc_o_rc))::value> softmax(p.softmax_scale * float(M_LOG2E));
+      Mainloop::mma(shared, pipeline_k, pipeline_v, state, ping_pong, mask, tile.block, n_min, n_max, wg, tid, acc_o, softmax);
+      Tensor lse = make_tensor<float>(Shape<Int<decltype(size<0>(acc_o_rc))::value>>{});
+      softmax.finalize(acc_o_rc, lse, p.softmax_scale);
+      Epilogue::store(params, shared, tile, acc_o, lse, wg, tid);
+    }
+    Epilogue::finish(tid);
+  }
+}
+
+}  // namespace cutlass_flash::sm90

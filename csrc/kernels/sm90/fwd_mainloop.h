@@ -1,0 +1,198 @@
+// sm90 forward mainloop: the producer's TMA loads and the consumers' wgmma + softmax loop.
+//
+// Per tile the producer loads K[n_max-1], Q, then K[n], V[n+1] for n descending, then V[n_min]:
+// the order the consumers use them in. Iteration n of a consumer warpgroup (64 query rows) issues
+// S_n = Q K_n^T and O += P_{n+1} V_{n+1} back to back, then computes the softmax of S_n while the
+// P V GEMM runs (FlashAttention-3's intra-warpgroup overlap). Across warpgroups, named barriers
+// let one warpgroup issue its GEMMs while the other runs its exponentials (ping-pong), so the
+// tensor cores stay busy through the softmax.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "kernels/common/mask.h"
+#include "kernels/common/softmax.h"
+#include "kernels/sm90/fwd_traits.h"
+#include "kernels/sm90/utils.h"
+
+namespace cutlass_flash::sm90 {
+
+using namespace cute;
+
+// Ping-pong of GEMM issue between consumer warpgroups. Warpgroup w waits on its barrier before
+// issuing and, after issuing, arrives on every other warpgroup's barrier; a barrier completes with
+// w's 128 threads plus one arrival of each other warpgroup, so issue goes round-robin.
+template <int kNMmaWarpGroups>
+struct WarpScheduler {
+  static constexpr int kThreads = kNMmaWarpGroups * 128;
+  int wg;  // consumer warpgroup index, 0-based
+
+  __device__ static int barrier(int w) { return int(FwdBarrier::kWarpSchedulerWG1) + w; }
+
+  // Warpgroup w starts with the arrivals of every later warpgroup, so warpgroup 0 issues first.
+  __device__ void init() const {
+    for (int w = 0; w < wg; ++w) cutlass::arch::NamedBarrier::arrive(kThreads, barrier(w));
+  }
+  __device__ void sync() const { cutlass::arch::NamedBarrier::sync(kThreads, barrier(wg)); }
+  __device__ void arrive() const {
+    CUTE_UNROLL
+    for (int d = 1; d < kNMmaWarpGroups; ++d)
+      cutlass::arch::NamedBarrier::arrive(kThreads, barrier((wg + d) % kNMmaWarpGroups));
+  }
+};
+
+template <typename Traits>
+struct FwdMainloop {
+  using Element = typename Traits::Element;
+  using PipelineKV = typename Traits::PipelineKV;
+  using PipelineState = typename PipelineKV::PipelineState;
+  static constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+
+  // ---- producer (one thread) ----
+
+  struct ProducerState {
+    PipelineState k = cutlass::make_producer_start_state<PipelineKV>();
+    PipelineState v = cutlass::make_producer_start_state<PipelineKV>();
+    int tiles = 0;  // tiles with at least one key block loaded so far
+  };
+
+  template <typename TmaCopy, typename TensorG, typename TensorS>
+  __device__ static void load_kv(const TmaCopy& tma, PipelineKV& pipeline, PipelineState& state,
+                                 const TensorG& g, TensorS& s, int n_block) {
+    pipeline.producer_acquire(state);
+    copy(tma.with(*pipeline.producer_get_barrier(state), 0), g(_, n_block), s(_, state.index()));
+    ++state;
+  }
+
+  template <typename Params>
+  __device__ static void load(const Params& params, typename Traits::SharedStorage& shared, PipelineKV& pipeline_k,
+                              PipelineKV& pipeline_v, ProducerState& st, const TileCoord& tile, int n_min,
+                              int n_max) {
+    const AttnProblem& p = params.problem;
+    const int head_kv = tile.head / (p.nheads / p.nheads_kv);
+    Tensor mQ = params.tma_q.get_tma_tensor(make_shape(p.seqlen_q, p.head_dim, p.nheads, p.batch));
+    Tensor mK = params.tma_k.get_tma_tensor(make_shape(p.seqlen_k, p.head_dim, p.nheads_kv, p.batch));
+    Tensor mV = params.tma_v.get_tma_tensor(make_shape(p.seqlen_k, p.head_dim, p.nheads_kv, p.batch));
+    // Q as 64-row slabs, one per consumer warpgroup: (64, d, slab)
+    Tensor gQ = local_tile(mQ(_, _, tile.head, tile.batch), Shape<_64, Int<kHeadDim>>{}, make_coord(_, _0{}));
+    Tensor gK = local_tile(mK(_, _, head_kv, tile.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+    Tensor gV = local_tile(mV(_, _, head_kv, tile.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+    Tensor sQ = make_tensor(make_smem_ptr(shared.qo.data()), typename Traits::SmemLayoutSlab{});
+    Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutV{});
+    auto [tQgQ, tQsQ] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+    auto [tKgK, tKsK] = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+    auto [tVgV, tVsV] = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+
+    load_kv(params.tma_k, pipeline_k, st.k, tKgK, tKsK, n_max - 1);
+    // Q of the previous tile must be free: its last S GEMM done (or, with O in its place, O stored).
+    if (st.tiles > 0) shared.q_empty.wait((st.tiles - 1) & 1);
+    shared.q_full.arrive_and_expect_tx(Traits::kQBytes);
+    CUTE_UNROLL
+    for (int w = 0; w < Traits::kNMmaWarpGroups; ++w) {
+      Tensor dst = make_tensor(tQsQ.data() + w * Traits::kSlabElems, tQsQ.layout());
+      copy(params.tma_q.with(reinterpret_cast<uint64_t&>(shared.q_full), 0),
+           tQgQ(_, tile.block * Traits::kNMmaWarpGroups + w), dst);
+    }
+    for (int n = n_max - 2; n >= n_min; --n) {
+      load_kv(params.tma_k, pipeline_k, st.k, tKgK, tKsK, n);
+      load_kv(params.tma_v, pipeline_v, st.v, tVgV, tVsV, n + 1);
+    }
+    load_kv(params.tma_v, pipeline_v, st.v, tVgV, tVsV, n_min);
+    ++st.tiles;
+  }
+
+  // ---- consumers (one warpgroup each) ----
+
+  struct ConsumerState {
+    PipelineState k, v;
+    int tiles = 0;
+  };
+
+  // Computes the unnormalised O (acc_o) of warpgroup `wg`'s 64 rows of the tile and their
+  // softmax statistics. `tid` is the thread's index in its warpgroup.
+  template <typename AccO, typename Softmax>
+  __device__ static void mma(typename Traits::SharedStorage& shared, PipelineKV& pipeline_k, PipelineKV& pipeline_v,
+                             ConsumerState& st, const WarpScheduler<Traits::kNMmaWarpGroups>& scheduler,
+                             const WindowMask& mask, int m_block, int n_min, int n_max, int wg, int tid, AccO& acc_o,
+                             Softmax& softmax) {
+    typename Traits::TiledMmaQK mma_qk;
+    typename Traits::TiledMmaPV mma_pv;
+    auto thr_qk = mma_qk.get_thread_slice(tid);
+    auto thr_pv = mma_pv.get_thread_slice(tid);
+    Tensor sQ = make_tensor(make_smem_ptr(shared.qo.data() + wg * Traits::kSlabElems), typename Traits::SmemLayoutSlab{});
+    Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutK{});
+    Tensor sVt = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutVt{});
+    Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // wgmma descriptors
+    Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, N, K, stage)
+    Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, N, K, stage)
+    Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<_64, Int<kBlockN>>{}));
+    Tensor acc_o_rc = rowcol_view(acc_o);
+    const int row_offset = m_block * kBlockM + wg * 64;
+
+    // P of the previous key block, as the register A operand of its P V GEMM.
+    using FragS = decltype(partition_fragment_C(mma_qk, Shape<_64, Int<kBlockN>>{}));
+    Tensor tOrP = make_tensor<Element>(acc_as_a_layout(FragS{}.layout()));
+    auto to_p = [&](auto& tSrS) {
+      Tensor p = convert_type<Element>(tSrS);
+      copy(make_tensor(p.data(), acc_as_a_layout(tSrS.layout())), tOrP);
+    };
+    // Whether key block n needs element-wise masking for any row of the tile (one uniform test).
+    auto needs_mask = [&](int n) { return mask.block_needs_mask<kBlockM, kBlockN>(m_block, n); };
+    auto scores = [&](auto& tSrS, int n_block, bool masked) {
+      if (masked) mask.apply(tSrS, tScS, row_offset, n_block * kBlockN);
+    };
+
+    shared.q_full.wait(st.tiles & 1);
+    // First (highest) key block: S only; its P V waits for the next iteration.
+    int n_block = n_max - 1;
+    {
+      Tensor tSrS = partition_fragment_C(mma_qk, Shape<_64, Int<kBlockN>>{});
+      pipeline_k.consumer_wait(st.k);
+      scheduler.sync();
+      gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, st.k.index()), tSrS);
+      scheduler.arrive();
+      warpgroup_wait<0>();
+      pipeline_k.consumer_release(st.k);
+      ++st.k;
+      scores(tSrS, n_block, needs_mask(n_block));
+      Tensor s_rc = rowcol_view(tSrS);
+      softmax.template max_and_exp</*kFirst=*/true>(s_rc);
+      to_p(tSrS);
+    }
+    auto correction = make_tensor<float>(Shape<Int<Softmax::kRows>>{});
+    fill(correction, 1.f);
+    for (--n_block; n_block >= n_min; --n_block) {
+      Tensor tSrS = partition_fragment_C(mma_qk, Shape<_64, Int<kBlockN>>{});
+      pipeline_k.consumer_wait(st.k);
+      scheduler.sync();
+      gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, st.k.index()), tSrS);
+      Softmax::rescale(acc_o_rc, correction);
+      pipeline_v.consumer_wait(st.v);
+      gemm</*kZeroInit=*/false, /*kWait=*/-1>(mma_pv, tOrP, tOrV(_, _, _, st.v.index()), acc_o);
+      scheduler.arrive();
+      warpgroup_wait<1>();  // S done; P V still running
+      pipeline_k.consumer_release(st.k);
+      ++st.k;
+      scores(tSrS, n_block, needs_mask(n_block));
+      Tensor s_rc = rowcol_view(tSrS);
+      correction = softmax.template max_and_exp</*kFirst=*/false>(s_rc);
+      warpgroup_wait<0>();
+      pipeline_v.consumer_release(st.v);
+      ++st.v;
+      to_p(tSrS);
+    }
+    // Q has no reader left in this tile.
+    if constexpr (!Traits::kOAliasesQ) shared.q_empty.arrive();
+    Softmax::rescale(acc_o_rc, correction);
+    pipeline_v.consumer_wait(st.v);
+    gemm</*kZeroInit=*/false, /*kWait=*/0>(mma_pv, tOrP, tOrV(_, _, _, st.v.index()), acc_o);
+    pipeline_v.consumer_release(st.v);
+    ++st.v;
+    ++st.tiles;
+  }
+};
+
+}  // namespace cutlass_flash::sm90

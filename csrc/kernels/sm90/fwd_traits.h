@@ -1,0 +1,116 @@
+// Compile-time configuration of the sm90 forward kernel: warpgroup roles, wgmma tiled MMAs,
+// shared-memory layouts, TMA copy types, pipelines and the shared-storage struct.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/gemm/collective/builders/sm90_common.inl>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "cutlass_flash/params.h"
+
+namespace cutlass_flash::sm90 {
+
+using namespace cute;
+
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, typename Element_>
+struct FwdTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kStages = kStages_;
+
+  // Warpgroup 0 produces (one thread issues every TMA load); warpgroups 1.. consume, 64 query
+  // rows each.
+  static constexpr int kNMmaWarpGroups = kBlockM / 64;
+  static constexpr int kNMmaThreads = kNMmaWarpGroups * 128;
+  static constexpr int kNThreads = kNMmaThreads + 128;
+  static_assert(kBlockM % 64 == 0 && (kNMmaWarpGroups == 2 || kNMmaWarpGroups == 3));
+  static_assert(kBlockN % 16 == 0 && kHeadDim % 16 == 0);
+  // setmaxnreg: the producer gives its registers to the consumers. 65536 registers a block:
+  // 2 consumer warpgroups: 128 x 24 + 256 x 240 = 64512; 3: 128 x 32 + 384 x 160 = 65536.
+  static constexpr int kProducerRegs = kNMmaWarpGroups == 2 ? 24 : 32;
+  static constexpr int kConsumerRegs = kNMmaWarpGroups == 2 ? 240 : 160;
+
+  // Each consumer warpgroup multiplies its own 64 query rows: one wgmma atom tall.
+  using TileShapeQK = Shape<_64, Int<kBlockN>, Int<kHeadDim>>;  // S = Q K^T: (M, N, K=d)
+  using TileShapePV = Shape<_64, Int<kHeadDim>, Int<kBlockN>>;  // O += P V: (M, N=d, K)
+  // S: both operands in shared memory. O: P from registers (the softmax output, never stored),
+  // V read transposed from its (key, d) shared-memory tile (MN-major B).
+  using TiledMmaQK = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, TileShapeQK>()));
+  using TiledMmaPV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, TileShapePV, GMMA::Major::K, GMMA::Major::MN>()));
+
+  // Swizzled K-major layouts (128-byte swizzle when a row is a multiple of 64 elements), as TMA
+  // writes them and wgmma reads them without bank conflicts.
+  template <int kRows>
+  using SmemAtom = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kRows>,
+                                                                                Int<kHeadDim>>());
+  // Q and O are stacks of 64-row slabs, one per consumer warpgroup, so that a warpgroup's rows of
+  // Q and of O are the same bytes: O can take Q's place (kOAliasesQ) with no warpgroup writing O
+  // over rows another warpgroup still multiplies.
+  using SmemLayoutSlab = decltype(tile_to_shape(SmemAtom<64>{}, Shape<_64, Int<kHeadDim>>{}));
+  static constexpr int kSlabElems = cosize_v<SmemLayoutSlab>;
+  using SmemLayoutK = decltype(tile_to_shape(SmemAtom<kBlockN>{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutV = SmemLayoutK;
+  using SmemLayoutVt = decltype(composition(
+      SmemLayoutV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+
+  static constexpr int kQElems = kNMmaWarpGroups * kSlabElems, kKVElems = cosize_v<SmemLayoutK>;
+  static constexpr int kSeparateOBytes = (2 * kQElems + 2 * kKVElems) * int(sizeof(Element));
+  static constexpr int kMaxSmemBytes = 227 * 1024;
+  // When Q, O and the K/V stages do not fit side by side, O is written over Q (whose last reader
+  // is the tile's last S GEMM); the producer then loads the next tile's Q only once O is stored.
+  static constexpr bool kOAliasesQ = kSeparateOBytes + 1024 > kMaxSmemBytes;
+
+  static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(Element);
+
+  // TMA: global tensors are viewed as (seqlen, d, head, batch) with the caller's strides.
+  using GmemLayout = Layout<Shape<int32_t, int32_t, int32_t, int32_t>, Stride<int64_t, _1, int64_t, int64_t>>;
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}),
+                                      SmemLayoutSlab{}, Shape<_64, Int<kHeadDim>>{}, _1{}));
+  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}),
+                                       take<0, 2>(SmemLayoutK{}), Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+  using TmaO = decltype(make_tma_copy(SM90_TMA_STORE{}, make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), GmemLayout{}),
+                                      SmemLayoutSlab{}, Shape<_64, Int<kHeadDim>>{}, _1{}));
+
+  using PipelineKV = cutlass::PipelineTmaAsync<kStages>;
+
+  struct SharedStorage {
+    cute::array_aligned<Element, kQElems + (kOAliasesQ ? 0 : kQElems), 1024> qo;  // Q, then O unless aliased
+    cute::array_aligned<Element, kKVElems, 1024> k;
+    cute::array_aligned<Element, kKVElems, 1024> v;
+    typename PipelineKV::SharedStorage pipeline_k;
+    typename PipelineKV::SharedStorage pipeline_v;
+    cutlass::arch::ClusterTransactionBarrier q_full;
+    cutlass::arch::ClusterBarrier q_empty;
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= kMaxSmemBytes, "sm90 forward tile does not fit in shared memory");
+
+  // Arrivals that free Q for the next tile: every consumer thread after the tile's last S GEMM,
+  // or, when O sits in Q's place, one thread per warpgroup once its O store has left shared memory.
+  static constexpr int kQEmptyArrivals = kOAliasesQ ? kNMmaWarpGroups : kNMmaThreads;
+};
+
+// Named barriers of the consumer warpgroups (ids after CUTLASS's reserved ones).
+enum class FwdBarrier : int {
+  kWarpSchedulerWG1 = 0,  // + warpgroup index - 1: ping-pong of GEMM issue
+  kEpilogueWG1 = 3,       // + warpgroup index - 1: a warpgroup's O staging in shared memory
+};
+
+// Kernel parameters: the library's plain FwdParams plus the TMA descriptors built from them.
+template <typename Traits>
+struct FwdKernelParams {
+  AttnProblem problem;
+  TensorRef4 o;  // for tiles that see no key, stored directly
+  float* lse;
+  int num_m_blocks;
+  typename Traits::TmaQ tma_q;
+  typename Traits::TmaKV tma_k;
+  typename Traits::TmaKV tma_v;
+  typename Traits::TmaO tma_o;
+};
+
+}  // namespace cutlass_flash::sm90

@@ -1,0 +1,67 @@
+// wgmma helpers: issuing a GEMM as one batch, and views of the accumulator registers.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_conversion.h>
+
+namespace cutlass_flash::sm90 {
+
+using namespace cute;
+
+// C (+)= A * B as one wgmma batch over the K slices. kWait >= 0 waits until at most kWait batches
+// are in flight; -1 returns at once, leaving the GEMM running behind the caller's next work.
+// A is a shared-memory descriptor tensor or registers (then fenced, as wgmma reads them late).
+template <bool kZeroInit, int kWait, typename TiledMma, typename TensorA, typename TensorB, typename TensorC>
+__device__ __forceinline__ void gemm(TiledMma& mma, const TensorA& a, const TensorB& b, TensorC& c) {
+  constexpr bool kAInRegisters = !is_same_v<typename TensorA::iterator, GMMA::DescriptorIterator>;
+  if constexpr (kAInRegisters) warpgroup_fence_operand(const_cast<TensorA&>(a));
+  warpgroup_fence_operand(c);
+  warpgroup_arrive();
+  if constexpr (kZeroInit) mma.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(a); ++k) {
+    cute::gemm(mma, a(_, _, k), b(_, _, k), c);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  if constexpr (kWait >= 0) warpgroup_wait<kWait>();
+  warpgroup_fence_operand(c);
+  if constexpr (kAInRegisters) warpgroup_fence_operand(const_cast<TensorA&>(a));
+}
+
+// wgmma accumulator ((2, 2, N/8), MMA_M, MMA_N) -> (rows, cols) = ((2, MMA_M), (2, N/8, MMA_N)).
+// Per 64-row atom a thread holds rows r and r + 8 (mode 0,1) and column pairs (mode 0,0) of
+// every 8-column group, so a row is spread over the 4 threads of a quad, as on sm80.
+template <typename Layout>
+__device__ __forceinline__ auto acc_rowcol_layout(Layout l) {
+  static_assert(decltype(rank<0>(l))::value == 3 && decltype(rank(l))::value == 3);
+  return make_layout(make_layout(get<0, 1>(l), get<1>(l)), make_layout(get<0, 0>(l), get<0, 2>(l), get<2>(l)));
+}
+
+template <typename Tensor>
+__device__ __forceinline__ auto rowcol_view(Tensor&& t) {
+  return make_tensor(t.data(), acc_rowcol_layout(t.layout()));
+}
+
+// The S accumulator, converted to 16-bit, re-read as the register A operand of O += P V: pairs of
+// 8-column groups make one k16 slice ((2, 2, 2), MMA_M, N/16).
+template <typename Layout>
+__device__ __forceinline__ auto acc_as_a_layout(Layout l) {
+  static_assert(decltype(size<0, 0>(l))::value == 2 && decltype(size<0, 1>(l))::value == 2);
+  auto v = logical_divide(get<0, 2>(l), Tile<_2>{});  // ((2, N/16))
+  return make_layout(make_layout(get<0, 0>(l), get<0, 1>(l), get<0, 0>(v)), get<1>(l),
+                     coalesce(make_layout(get<0, 1>(v), get<2>(l))));
+}
+
+template <typename To, typename Engine, typename Layout>
+__device__ __forceinline__ auto convert_type(const Tensor<Engine, Layout>& src) {
+  using From = typename Engine::value_type;
+  constexpr int N = decltype(size(src))::value;
+  Tensor dst = make_tensor<To>(src.layout());
+  cutlass::NumericArrayConverter<To, From, N> convert;
+  *reinterpret_cast<cutlass::Array<To, N>*>(dst.data()) =
+      convert(*reinterpret_cast<const cutlass::Array<From, N>*>(src.data()));
+  return dst;
+}
+
+}  // namespace cutlass_flash::sm90
