@@ -63,6 +63,8 @@ class Family:
     # default with any subset of `sass_allowed`.
     sass_default: Tuple[str, ...]
     sass_allowed: Tuple[str, ...]
+    # Macros defined at the top of each translation unit, before any CUTLASS header.
+    defines: Tuple[str, ...] = ()
 
     @property
     def namespace(self) -> str:
@@ -85,8 +87,11 @@ FAMILIES: Tuple[Family, ...] = (
     # Hopper (FlashAttention-3-style: TMA, wgmma, warp specialization). wgmma and setmaxnreg
     # exist only in the arch-specific sm_90a target. Forward only: the backward of an sm90
     # forward runs on the sm80 family.
+    # CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED: wgmma atoms with N = 80, 112, ... (else CuTe splits
+    # an N = 80 GEMM into five 64x16 atoms).
     Family(arch=90, directions=("fwd",), head_dims=HEAD_DIMS,
-           sass_default=("90a",), sass_allowed=("90a",)),
+           sass_default=("90a",), sass_allowed=("90a",),
+           defines=("CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",)),
 )
 FAMILY_BY_ARCH: Dict[int, Family] = {f.arch: f for f in FAMILIES}
 
@@ -157,9 +162,10 @@ def all_instantiations() -> List[Instantiation]:
 def translation_unit(inst: Instantiation) -> str:
     fam = inst.family
     elem = DTYPES[inst.dtype][1]
+    defines = "".join(f"#define {d}\n" for d in fam.defines)
     return f"""{MARKER}
 // {inst.describe()}.
-#include <cutlass/numeric_types.h>
+{defines}#include <cutlass/numeric_types.h>
 
 #include "dispatch/entry.h"
 #include "{fam.launch_header(inst.direction)}"

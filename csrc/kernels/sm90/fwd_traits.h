@@ -40,6 +40,10 @@ struct FwdTraits {
   using TiledMmaQK = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, TileShapeQK>()));
   using TiledMmaPV = decltype(make_tiled_mma(
       GMMA::rs_op_selector<Element, Element, float, TileShapePV, GMMA::Major::K, GMMA::Major::MN>()));
+  static_assert(size<1>(typename TiledMmaQK::AtomShape_MNK{}) == kBlockN &&
+                    size<1>(typename TiledMmaPV::AtomShape_MNK{}) == kHeadDim,
+                "one wgmma per k16 slice: define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED before any "
+                "CUTLASS header (the generated translation units do)");
 
   // Swizzled K-major layouts (128-byte swizzle when a row is a multiple of 64 elements), as TMA
   // writes them and wgmma reads them without bank conflicts.

@@ -15,10 +15,11 @@ struct FwdTile {
 };
 
 constexpr FwdTile fwd_tile(int head_dim) {
-  // d <= 96: three consumer warpgroups at 160 registers each (S is 96 floats a thread at n = 192,
-  // O 48): more rows in flight per K/V byte loaded.
+  // d = 64: three consumer warpgroups at 160 registers each (S 64 floats a thread, O 32, P 32):
+  // more rows in flight per K/V byte loaded. d = 96 spilled 100 bytes that way (S 64 + O 48 +
+  // P 32 at 160 registers), so it takes two warpgroups at 240.
   if (head_dim <= 64) return {192, 128, 2};
-  if (head_dim <= 96) return {192, 128, 2};
+  if (head_dim <= 96) return {128, 128, 2};
   // d = 128: Q 32 KiB + 2 x (K 32 + V 32) + O 32 = 192 KiB.
   if (head_dim <= 128) return {128, 128, 2};
   // With O in Q's place: d = 192: Q/O 48 + 2 x (K 36 + V 36) = 192 KiB;
