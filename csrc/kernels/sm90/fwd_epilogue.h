@@ -24,14 +24,14 @@ struct FwdEpilogue {
   using Element = typename Traits::Element;
   static constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
 
-  __device__ static Element* smem_o(typename Traits::SharedStorage& shared) {
+  __device__ __forceinline__ static Element* smem_o(typename Traits::SharedStorage& shared) {
     return shared.qo.data() + (Traits::kOAliasesQ ? 0 : Traits::kQElems);
   }
 
   // Writes warpgroup wg's rows of lse: each row's value sits in all 4 threads of its quad; the
   // first writes.
   template <typename Params, typename Lse>
-  __device__ static void store_lse(const Params& params, const TileCoord& tile, const Lse& lse, int wg, int tid) {
+  __device__ __forceinline__ static void store_lse(const Params& params, const TileCoord& tile, const Lse& lse, int wg, int tid) {
     const AttnProblem& p = params.problem;
     typename Traits::TiledMmaPV mma_pv;
     Tensor tOcO = rowcol_view(mma_pv.get_thread_slice(tid).partition_C(
@@ -51,7 +51,7 @@ struct FwdEpilogue {
   // acc_o: this thread's part of the normalised output of warpgroup wg (fp32); tid: the thread's
   // index in its warpgroup.
   template <typename Params, typename AccO, typename Lse>
-  __device__ static void store(const Params& params, typename Traits::SharedStorage& shared, const TileCoord& tile,
+  __device__ __forceinline__ static void store(const Params& params, typename Traits::SharedStorage& shared, const TileCoord& tile,
                                const AccO& acc_o, const Lse& lse, int wg, int tid) {
     const AttnProblem& p = params.problem;
     const bool leader = tid == 0;
@@ -92,7 +92,7 @@ struct FwdEpilogue {
   // directly. It does not touch shared memory, where the producer may already be loading the next
   // tile's Q.
   template <typename Params>
-  __device__ static void store_empty(const Params& params, const TileCoord& tile, int tid) {
+  __device__ __forceinline__ static void store_empty(const Params& params, const TileCoord& tile, int tid) {
     const AttnProblem& p = params.problem;
     constexpr int kChunks = kHeadDim * int(sizeof(Element)) / 16;  // 16-byte chunks per row
     const int rows_left = p.seqlen_q - tile.block * kBlockM;
@@ -109,7 +109,7 @@ struct FwdEpilogue {
   }
 
   // Shared memory must outlive the last TMA store's reads of it.
-  __device__ static void finish(int tid) {
+  __device__ __forceinline__ static void finish(int tid) {
     if (tid == 0) tma_store_wait<0>();
   }
 };

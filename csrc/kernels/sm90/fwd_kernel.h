@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
     if (threadIdx.x == 0) {
       typename Mainloop::ProducerState state;
-      for (int t = scheduler.first(); scheduler.valid(t); t = scheduler.next(t)) {
+      for (int r = 0, t = scheduler.tile(0); scheduler.valid(t); t = scheduler.tile(++r)) {
         const TileCoord tile = scheduler.coord(t);
         int n_min, n_max;
         mask.n_block_range<kBlockM, kBlockN>(tile.block, n_min, n_max);
@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     ping_pong.init();
     typename Mainloop::ConsumerState state;
     typename Traits::TiledMmaPV mma_pv;
-    for (int t = scheduler.first(); scheduler.valid(t); t = scheduler.next(t)) {
+    for (int r = 0, t = scheduler.tile(0); scheduler.valid(t); t = scheduler.tile(++r)) {
       const TileCoord tile = scheduler.coord(t);
       int n_min, n_max;
       mask.n_block_range<kBlockM, kBlockN>(tile.block, n_min, n_max);

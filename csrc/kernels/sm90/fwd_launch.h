@@ -36,11 +36,13 @@ auto gmem_tensor(const TensorRef4& t, int seqlen, const AttnProblem& p, int nhea
                                  make_stride(t.row_stride, _1{}, t.head_stride, t.batch_stride)));
 }
 
-template <int kHeadDim, typename Element>
-Status run_fwd(const FwdParams& params, cudaStream_t stream) {
+// Launches the forward kernel of one configuration (FwdTraits); run_fwd picks the configuration of
+// a head dim, and benchmarks/tune_sm90.cu times others.
+template <typename Traits>
+Status run_fwd_traits(const FwdParams& params, cudaStream_t stream) {
   using namespace cute;
-  constexpr FwdTile kTile = fwd_tile(kHeadDim);
-  using Traits = FwdTraits<kHeadDim, kTile.block_m, kTile.block_n, kTile.stages, Element>;
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   const AttnProblem& p = params.problem;
   for (auto [ref, name] : {std::pair{&params.q, "q"}, {&params.k, "k"}, {&params.v, "v"}, {&params.o, "out"}})
     if (Status s = check_tma_ref<Element>(*ref, name); !s.ok()) return s;
@@ -49,16 +51,16 @@ Status run_fwd(const FwdParams& params, cudaStream_t stream) {
   kp.problem = p;
   kp.o = params.o;
   kp.lse = params.lse;
-  kp.num_m_blocks = ceil_div(p.seqlen_q, kTile.block_m);
+  kp.num_m_blocks = ceil_div(p.seqlen_q, kBlockM);
   auto q = gmem_tensor<const Element>(params.q, p.seqlen_q, p, p.nheads);
   auto k = gmem_tensor<const Element>(params.k, p.seqlen_k, p, p.nheads_kv);
   auto v = gmem_tensor<const Element>(params.v, p.seqlen_k, p, p.nheads_kv);
   auto o = gmem_tensor<Element>(params.o, p.seqlen_q, p, p.nheads);
   kp.tma_q = make_tma_copy(SM90_TMA_LOAD{}, q, typename Traits::SmemLayoutSlab{}, Shape<_64, Int<kHeadDim>>{}, _1{});
   kp.tma_k = make_tma_copy(SM90_TMA_LOAD{}, k, take<0, 2>(typename Traits::SmemLayoutK{}),
-                           Shape<Int<kTile.block_n>, Int<kHeadDim>>{}, _1{});
+                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
   kp.tma_v = make_tma_copy(SM90_TMA_LOAD{}, v, take<0, 2>(typename Traits::SmemLayoutV{}),
-                           Shape<Int<kTile.block_n>, Int<kHeadDim>>{}, _1{});
+                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
   kp.tma_o = make_tma_copy(SM90_TMA_STORE{}, o, typename Traits::SmemLayoutSlab{}, Shape<_64, Int<kHeadDim>>{}, _1{});
 
   int num_sms = 0;
@@ -69,6 +71,12 @@ Status run_fwd(const FwdParams& params, cudaStream_t stream) {
   if (Status s = ensure_smem_limit<kernel>(Traits::kSmemBytes); !s.ok()) return s;
   kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(kp);
   return cuda_status(cudaGetLastError(), "sm90 forward launch");
+}
+
+template <int kHeadDim, typename Element>
+Status run_fwd(const FwdParams& params, cudaStream_t stream) {
+  constexpr FwdTile kTile = fwd_tile(kHeadDim);
+  return run_fwd_traits<FwdTraits<kHeadDim, kTile.block_m, kTile.block_n, kTile.stages, Element>>(params, stream);
 }
 
 }  // namespace cutlass_flash::sm90

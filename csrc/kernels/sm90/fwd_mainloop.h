@@ -59,7 +59,7 @@ struct FwdMainloop {
   };
 
   template <typename TmaCopy, typename TensorG, typename TensorS>
-  __device__ static void load_kv(const TmaCopy& tma, PipelineKV& pipeline, PipelineState& state,
+  __device__ __forceinline__ static void load_kv(const TmaCopy& tma, PipelineKV& pipeline, PipelineState& state,
                                  const TensorG& g, TensorS& s, int n_block) {
     pipeline.producer_acquire(state);
     copy(tma.with(*pipeline.producer_get_barrier(state), 0), g(_, n_block), s(_, state.index()));
@@ -67,7 +67,7 @@ struct FwdMainloop {
   }
 
   template <typename Params>
-  __device__ static void load(const Params& params, typename Traits::SharedStorage& shared, PipelineKV& pipeline_k,
+  __device__ __forceinline__ static void load(const Params& params, typename Traits::SharedStorage& shared, PipelineKV& pipeline_k,
                               PipelineKV& pipeline_v, ProducerState& st, const TileCoord& tile, int n_min,
                               int n_max) {
     const AttnProblem& p = params.problem;
@@ -114,7 +114,7 @@ struct FwdMainloop {
   // Computes the unnormalised O (acc_o) of warpgroup `wg`'s 64 rows of the tile and their
   // softmax statistics. `tid` is the thread's index in its warpgroup.
   template <typename AccO, typename Softmax>
-  __device__ static void mma(typename Traits::SharedStorage& shared, PipelineKV& pipeline_k, PipelineKV& pipeline_v,
+  __device__ __forceinline__ static void mma(typename Traits::SharedStorage& shared, PipelineKV& pipeline_k, PipelineKV& pipeline_v,
                              ConsumerState& st, const WarpScheduler<Traits::kNMmaWarpGroups>& scheduler,
                              const WindowMask& mask, int m_block, int n_min, int n_max, int wg, int tid, AccO& acc_o,
                              Softmax& softmax) {
@@ -155,6 +155,7 @@ struct FwdMainloop {
       gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, st.k.index()), tSrS);
       scheduler.arrive();
       warpgroup_wait<0>();
+      warpgroup_fence_operand(tSrS);
       pipeline_k.consumer_release(st.k);
       ++st.k;
       scores(tSrS, n_block, needs_mask(n_block));
@@ -174,11 +175,15 @@ struct FwdMainloop {
       gemm</*kZeroInit=*/false, /*kWait=*/-1>(mma_pv, tOrP, tOrV(_, _, _, st.v.index()), acc_o);
       scheduler.arrive();
       warpgroup_wait<1>();  // S done; P V still running
+      warpgroup_fence_operand(tSrS);  // reads of S stay below the wait
       pipeline_k.consumer_release(st.k);
       ++st.k;
       scores(tSrS, n_block, needs_mask(n_block));
       Tensor s_rc = rowcol_view(tSrS);
       correction = softmax.template max_and_exp</*kFirst=*/false>(s_rc);
+      // ptxas places this wait at the top of its basic block (after the mask branch), ahead of
+      // the exponentials, so today P V does not overlap the softmax of its own warpgroup, only
+      // the other warpgroup's (PERFLOG.md, entry 9).
       warpgroup_wait<0>();
       pipeline_v.consumer_release(st.v);
       ++st.v;
