@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "kernels/common/launch_utils.h"
 #include "kernels/common/tile_scheduler.h"
@@ -76,7 +77,9 @@ Status run_fwd_traits(const FwdParams& params, cudaStream_t stream) {
 template <int kHeadDim, typename Element>
 Status run_fwd(const FwdParams& params, cudaStream_t stream) {
   constexpr FwdTile kTile = fwd_tile(kHeadDim);
-  return run_fwd_traits<FwdTraits<kHeadDim, kTile.block_m, kTile.block_n, kTile.stages, Element>>(params, stream);
+  using PSource = std::conditional_t<kTile.p_in_smem, PFromSmem, PFromRegisters>;
+  return run_fwd_traits<FwdTraits<kHeadDim, kTile.block_m, kTile.block_n, kTile.stages, Element, PSource>>(params,
+                                                                                                        stream);
 }
 
 }  // namespace cutlass_flash::sm90
