@@ -2,9 +2,13 @@
 // and strides and launches one persistent block per SM (fewer when there are fewer tiles).
 #pragma once
 
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cute/tensor.hpp>
 
 #include <cstdint>
+#include <cstring>
+#include <optional>
 #include <string>
 #include <type_traits>
 
@@ -37,22 +41,59 @@ auto gmem_tensor(const TensorRef4& t, int seqlen, const AttnProblem& p, int nhea
                                  make_stride(t.row_stride, _1{}, t.head_stride, t.batch_stride)));
 }
 
-// Launches the forward kernel of one configuration (FwdTraits); run_fwd picks the configuration of
-// a head dim, and benchmarks/tune_sm90.cu times others.
+// cuTensorMapReplaceAddress, resolved once through the runtime (the library links no libcuda, so
+// that it loads on a machine without a driver); null if the driver lacks it.
+inline PFN_cuTensorMapReplaceAddress_v12000 tensor_map_replace_address() {
+  static const PFN_cuTensorMapReplaceAddress_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult query;
+    const cudaError_t err =
+        cudaGetDriverEntryPointByVersion("cuTensorMapReplaceAddress", &p, 12000, cudaEnableDefault, &query);
+    return err == cudaSuccess && query == cudaDriverEntryPointSuccess
+               ? reinterpret_cast<PFN_cuTensorMapReplaceAddress_v12000>(p) : nullptr;
+  }();
+  return fn;
+}
+
+template <typename Tma>
+bool replace_address(Tma& tma, const void* ptr) {
+  auto* desc = reinterpret_cast<CUtensorMap*>(const_cast<cute::TmaDescriptor*>(tma.get_tma_descriptor()));
+  return tensor_map_replace_address()(desc, const_cast<void*>(ptr)) == CUDA_SUCCESS;
+}
+
+// What the TMA descriptors depend on besides the base addresses.
+struct FwdPlanKey {
+  AttnProblem problem;
+  int64_t strides[4][3];
+
+  FwdPlanKey(const FwdParams& p) : problem(p.problem) {
+    const TensorRef4* refs[4] = {&p.q, &p.k, &p.v, &p.o};
+    for (int i = 0; i < 4; ++i) {
+      strides[i][0] = refs[i]->batch_stride;
+      strides[i][1] = refs[i]->row_stride;
+      strides[i][2] = refs[i]->head_stride;
+    }
+  }
+  bool operator==(const FwdPlanKey& o) const {
+    const AttnProblem &a = problem, &b = o.problem;
+    return a.batch == b.batch && a.seqlen_q == b.seqlen_q && a.seqlen_k == b.seqlen_k && a.nheads == b.nheads &&
+           a.nheads_kv == b.nheads_kv && a.head_dim == b.head_dim && a.softmax_scale == b.softmax_scale &&
+           a.window_left == b.window_left && a.window_right == b.window_right && a.dtype == b.dtype &&
+           std::memcmp(strides, o.strides, sizeof(strides)) == 0;
+  }
+};
+
 template <typename Traits>
-Status run_fwd_traits(const FwdParams& params, cudaStream_t stream) {
+FwdKernelParams<Traits> make_fwd_kernel_params(const FwdParams& params) {
   using namespace cute;
   using Element = typename Traits::Element;
-  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   const AttnProblem& p = params.problem;
-  for (auto [ref, name] : {std::pair{&params.q, "q"}, {&params.k, "k"}, {&params.v, "v"}, {&params.o, "out"}})
-    if (Status s = check_tma_ref<Element>(*ref, name); !s.ok()) return s;
-
   FwdKernelParams<Traits> kp{};
   kp.problem = p;
   kp.o = params.o;
   kp.lse = params.lse;
-  kp.num_m_blocks = ceil_div(p.seqlen_q, kBlockM);
+  kp.num_m_blocks = ceil_div(p.seqlen_q, Traits::kBlockM);
   auto q = gmem_tensor<const Element>(params.q, p.seqlen_q, p, p.nheads);
   auto k = gmem_tensor<const Element>(params.k, p.seqlen_k, p, p.nheads_kv);
   auto v = gmem_tensor<const Element>(params.v, p.seqlen_k, p, p.nheads_kv);
@@ -63,6 +104,43 @@ Status run_fwd_traits(const FwdParams& params, cudaStream_t stream) {
   kp.tma_v = make_tma_copy(SM90_TMA_LOAD{}, v, take<0, 2>(typename Traits::SmemLayoutV{}),
                            Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
   kp.tma_o = make_tma_copy(SM90_TMA_STORE{}, o, typename Traits::SmemLayoutSlab{}, Shape<_64, Int<kHeadDim>>{}, _1{});
+  return kp;
+}
+
+// Kernel parameters for `params`, from a per-thread plan of the last shapes seen: building the
+// four TMA descriptors costs ~22 us a call on the host (CUTLASS resolves the driver entry point
+// on every encode; measured with `python -m cutlass_flash.benchmark --overhead-only`), patching
+// their base addresses in a cached plan a fraction of a microsecond.
+template <typename Traits>
+FwdKernelParams<Traits> fwd_kernel_params(const FwdParams& params) {
+  struct Plan {
+    FwdPlanKey key;
+    FwdKernelParams<Traits> kp;
+  };
+  thread_local std::optional<Plan> plan;
+  const FwdPlanKey key(params);
+  if (plan && plan->key == key && tensor_map_replace_address() != nullptr) {
+    FwdKernelParams<Traits> kp = plan->kp;
+    kp.o = params.o;
+    kp.lse = params.lse;
+    if (replace_address(kp.tma_q, params.q.ptr) && replace_address(kp.tma_k, params.k.ptr) &&
+        replace_address(kp.tma_v, params.v.ptr) && replace_address(kp.tma_o, params.o.ptr))
+      return kp;
+  }
+  FwdKernelParams<Traits> kp = make_fwd_kernel_params<Traits>(params);
+  plan.emplace(Plan{key, kp});
+  return kp;
+}
+
+// Launches the forward kernel of one configuration (FwdTraits); run_fwd picks the configuration of
+// a head dim, and benchmarks/tune_sm90.cu times others.
+template <typename Traits>
+Status run_fwd_traits(const FwdParams& params, cudaStream_t stream) {
+  using Element = typename Traits::Element;
+  const AttnProblem& p = params.problem;
+  for (auto [ref, name] : {std::pair{&params.q, "q"}, {&params.k, "k"}, {&params.v, "v"}, {&params.o, "out"}})
+    if (Status s = check_tma_ref<Element>(*ref, name); !s.ok()) return s;
+  const FwdKernelParams<Traits> kp = fwd_kernel_params<Traits>(params);
 
   int num_sms = 0;
   if (Status s = multiprocessor_count(num_sms); !s.ok()) return s;
