@@ -5,6 +5,8 @@
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_conversion.h>
 
+#include "kernels/common/convert.h"
+
 namespace cutlass_flash::sm80 {
 
 using namespace cute;
@@ -31,18 +33,6 @@ __device__ __forceinline__ auto acc_as_a_layout(Layout acc) {
   static_assert(decltype(size<0>(acc))::value == 4);
   auto l = logical_divide(acc, Shape<X, X, _2>{});  // (4, MMA_M, (2, MMA_N / 2))
   return make_layout(make_layout(get<0>(l), get<2, 0>(l)), get<1>(l), get<2, 1>(l));
-}
-
-// Converts a register tensor element-wise (packed conversions: F2FP for half/bf16 pairs).
-template <typename To, typename Engine, typename Layout>
-__device__ __forceinline__ auto convert_type(const Tensor<Engine, Layout>& src) {
-  using From = typename Engine::value_type;
-  constexpr int N = decltype(size(src))::value;
-  Tensor dst = make_tensor<To>(src.layout());
-  cutlass::NumericArrayConverter<To, From, N> convert;
-  *reinterpret_cast<cutlass::Array<To, N>*>(dst.data()) =
-      convert(*reinterpret_cast<const cutlass::Array<From, N>*>(src.data()));
-  return dst;
 }
 
 // acc += A * B with both operands in shared memory; the ldmatrix of k-slice i+1 is issued before

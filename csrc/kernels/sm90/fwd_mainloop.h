@@ -111,6 +111,22 @@ struct FwdMainloop {
     int tiles = 0;
   };
 
+  // S of a tile's first (highest) key block: issued in this warpgroup's ping-pong turn and waited
+  // for (no P V is pending yet); the K stage is released.
+  template <typename TiledMma, typename TensorQ, typename TensorK, typename TensorS>
+  __device__ __forceinline__ static void first_s_gemm(TiledMma& mma, const TensorQ& tSrQ, const TensorK& tSrK,
+                                                      TensorS& tSrS, PipelineKV& pipeline_k, ConsumerState& st,
+                                                      const WarpScheduler<Traits::kNMmaWarpGroups>& scheduler) {
+    pipeline_k.consumer_wait(st.k);
+    scheduler.sync();
+    gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma, tSrQ, tSrK(_, _, _, st.k.index()), tSrS);
+    scheduler.arrive();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tSrS);
+    pipeline_k.consumer_release(st.k);
+    ++st.k;
+  }
+
   // Computes the unnormalised O (acc_o) of warpgroup `wg`'s 64 rows of the tile and their
   // softmax statistics. `tid` is the thread's index in its warpgroup.
   template <typename AccO, typename Softmax>
@@ -165,14 +181,7 @@ struct FwdMainloop {
     int n_block = n_max - 1;
     {
       Tensor tSrS = partition_fragment_C(mma_qk, Shape<_64, Int<kBlockN>>{});
-      pipeline_k.consumer_wait(st.k);
-      scheduler.sync();
-      gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, st.k.index()), tSrS);
-      scheduler.arrive();
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(tSrS);
-      pipeline_k.consumer_release(st.k);
-      ++st.k;
+      first_s_gemm(mma_qk, tSrQ, tSrK, tSrS, pipeline_k, st, scheduler);
       scores(tSrS, n_block, needs_mask(n_block));
       Tensor s_rc = rowcol_view(tSrS);
       softmax.template max_and_exp</*kFirst=*/true>(s_rc);
@@ -262,14 +271,7 @@ struct FwdMainloop {
     int n_block = n_max - 1, buf = 0;
     {
       Tensor tSrS = partition_fragment_C(mma_qk, Shape<_64, Int<kBlockN>>{});
-      pipeline_k.consumer_wait(st.k);
-      scheduler.sync();
-      gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, st.k.index()), tSrS);
-      scheduler.arrive();
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(tSrS);
-      pipeline_k.consumer_release(st.k);
-      ++st.k;
+      first_s_gemm(mma_qk, tSrQ, tSrK, tSrS, pipeline_k, st, scheduler);
       if (needs_mask(n_block)) apply_mask(tSrS, n_block);
       Tensor s_rc = rowcol_view(tSrS);
       softmax.template max_and_exp</*kFirst=*/true>(s_rc);

@@ -4,6 +4,8 @@
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_conversion.h>
 
+#include "kernels/common/convert.h"
+
 namespace cutlass_flash::sm90 {
 
 using namespace cute;
@@ -51,17 +53,6 @@ __device__ __forceinline__ auto acc_as_a_layout(Layout l) {
   auto v = logical_divide(get<0, 2>(l), Tile<_2>{});  // ((2, N/16))
   return make_layout(make_layout(get<0, 0>(l), get<0, 1>(l), get<0, 0>(v)), get<1>(l),
                      coalesce(make_layout(get<0, 1>(v), get<2>(l))));
-}
-
-template <typename To, typename Engine, typename Layout>
-__device__ __forceinline__ auto convert_type(const Tensor<Engine, Layout>& src) {
-  using From = typename Engine::value_type;
-  constexpr int N = decltype(size(src))::value;
-  Tensor dst = make_tensor<To>(src.layout());
-  cutlass::NumericArrayConverter<To, From, N> convert;
-  *reinterpret_cast<cutlass::Array<To, N>*>(dst.data()) =
-      convert(*reinterpret_cast<const cutlass::Array<From, N>*>(src.data()));
-  return dst;
 }
 
 }  // namespace cutlass_flash::sm90
