@@ -107,10 +107,10 @@ FwdKernelParams<Traits> make_fwd_kernel_params(const FwdParams& params) {
   return kp;
 }
 
-// Kernel parameters for `params`, from a per-thread plan of the last shapes seen: building the
-// four TMA descriptors costs ~22 us a call on the host (CUTLASS resolves the driver entry point
-// on every encode; measured with `python -m cutlass_flash.benchmark --overhead-only`), patching
-// their base addresses in a cached plan a fraction of a microsecond.
+// Kernel parameters for `params`, from a per-thread plan of the last shapes seen: encoding the
+// four TMA descriptors resolves the driver entry point on every encode (CUTLASS's wrapper), while
+// patching the base addresses of a cached plan is a few stores. PERFLOG.md, entry 12, has the
+// measured per-call overhead.
 template <typename Traits>
 FwdKernelParams<Traits> fwd_kernel_params(const FwdParams& params) {
   struct Plan {

@@ -3,9 +3,10 @@
 // Per tile the producer loads K[n_max-1], Q, then K[n], V[n+1] for n descending, then V[n_min]:
 // the order the consumers use them in. Iteration n of a consumer warpgroup (64 query rows) issues
 // S_n = Q K_n^T and O += P_{n+1} V_{n+1} back to back, then computes the softmax of S_n while the
-// P V GEMM runs (FlashAttention-3's intra-warpgroup overlap). Across warpgroups, named barriers
-// let one warpgroup issue its GEMMs while the other runs its exponentials (ping-pong), so the
-// tensor cores stay busy through the softmax.
+// P V GEMM runs (FlashAttention-3's intra-warpgroup overlap; it holds with P staged in shared
+// memory, mma_p_smem: with P in registers ptxas waits for P V before the exponentials). Across
+// warpgroups, named barriers let one warpgroup issue its GEMMs while the other runs its
+// exponentials (ping-pong), so the tensor cores stay busy through the softmax.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -207,7 +208,7 @@ struct FwdMainloop {
       correction = softmax.template max_and_exp</*kFirst=*/false>(s_rc);
       // ptxas places this wait at the top of its basic block (after the mask branch), ahead of
       // the exponentials, so today P V does not overlap the softmax of its own warpgroup, only
-      // the other warpgroup's (PERFLOG.md, entry 9).
+      // the other warpgroup's (PERFLOG.md, entry 10).
       warpgroup_wait<0>();
       pipeline_v.consumer_release(st.v);
       ++st.v;
