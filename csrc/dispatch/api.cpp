@@ -3,6 +3,7 @@
 // nothing here aborts or lets an exception escape. No torch, no Python, no CuTe.
 #include "cutlass_flash/api.h"
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <exception>
@@ -200,39 +201,47 @@ Status check_problem(const AttnProblem& p, int arch, Direction dir) {
   return Status::Ok();
 }
 
+// Validates a call, finds its kernel and runs it: the steps every direction shares. `checks` are
+// the direction's tensor checks, evaluated inside the guard; `launch` is the Entry member to call.
+// No exception leaves the library: one escaping a check or a launcher becomes an internal error.
+template <typename Params, typename Checks, typename Launch>
+Status run_direction(Direction dir, const Params& params, int arch, cudaStream_t stream, Checks&& checks,
+                     Launch Entry::*launch) {
+  try {
+    const AttnProblem& p = params.problem;
+    if (Status s = check_problem(p, arch, dir); !s.ok()) return s;
+    for (const Status& s : checks(p))
+      if (!s.ok()) return s;
+    const KernelKey key{arch, dir, p.head_dim, p.dtype};
+    const Entry* e = find_entry(key);
+    if (e == nullptr || e->*launch == nullptr) return not_built(key);
+    return (e->*launch)(params, stream);
+  } catch (const std::exception& ex) {
+    return internal_error(dir, ex.what());
+  } catch (...) {
+    return internal_error(dir, "unknown exception");
+  }
+}
+
 }  // namespace dispatch
 
 Status run_fwd(const FwdParams& params, int arch, cudaStream_t stream) {
   constexpr Direction dir = Direction::kForward;
-  try {
-    const AttnProblem& p = params.problem;
-    if (Status s = dispatch::check_problem(p, arch, dir); !s.ok()) return s;
-    const Status checks[] = {
+  return dispatch::run_direction(dir, params, arch, stream, [&](const AttnProblem& p) {
+    return std::array{
         dispatch::check_tensor(dir, "q", params.q, p, p.seqlen_q, p.nheads),
         dispatch::check_tensor(dir, "k", params.k, p, p.seqlen_k, p.nheads_kv),
         dispatch::check_tensor(dir, "v", params.v, p, p.seqlen_k, p.nheads_kv),
         dispatch::check_tensor(dir, "o", params.o, p, p.seqlen_q, p.nheads),
         dispatch::check_scalar_ptr(dir, "lse", params.lse, alignof(float)),
     };
-    for (const Status& s : checks)
-      if (!s.ok()) return s;
-    const KernelKey key{arch, dir, p.head_dim, p.dtype};
-    const dispatch::Entry* e = dispatch::find_entry(key);
-    if (e == nullptr || e->fwd == nullptr) return dispatch::not_built(key);
-    return e->fwd(params, stream);
-  } catch (const std::exception& ex) {
-    return dispatch::internal_error(dir, ex.what());
-  } catch (...) {
-    return dispatch::internal_error(dir, "unknown exception");
-  }
+  }, &dispatch::Entry::fwd);
 }
 
 Status run_bwd(const BwdParams& params, int arch, cudaStream_t stream) {
   constexpr Direction dir = Direction::kBackward;
-  try {
-    const AttnProblem& p = params.problem;
-    if (Status s = dispatch::check_problem(p, arch, dir); !s.ok()) return s;
-    const Status checks[] = {
+  return dispatch::run_direction(dir, params, arch, stream, [&](const AttnProblem& p) {
+    return std::array{
         dispatch::check_tensor(dir, "q", params.q, p, p.seqlen_q, p.nheads),
         dispatch::check_tensor(dir, "k", params.k, p, p.seqlen_k, p.nheads_kv),
         dispatch::check_tensor(dir, "v", params.v, p, p.seqlen_k, p.nheads_kv),
@@ -245,17 +254,7 @@ Status run_bwd(const BwdParams& params, int arch, cudaStream_t stream) {
         dispatch::check_tensor(dir, "dv", params.dv, p, p.seqlen_k, p.nheads),
         dispatch::check_scalar_ptr(dir, "workspace", params.workspace, 256),
     };
-    for (const Status& s : checks)
-      if (!s.ok()) return s;
-    const KernelKey key{arch, dir, p.head_dim, p.dtype};
-    const dispatch::Entry* e = dispatch::find_entry(key);
-    if (e == nullptr || e->bwd == nullptr) return dispatch::not_built(key);
-    return e->bwd(params, stream);
-  } catch (const std::exception& ex) {
-    return dispatch::internal_error(dir, ex.what());
-  } catch (...) {
-    return dispatch::internal_error(dir, "unknown exception");
-  }
+  }, &dispatch::Entry::bwd);
 }
 
 size_t bwd_workspace_bytes(const AttnProblem& problem, int arch) {
