@@ -146,10 +146,12 @@ struct FwdMainloop {
 
   // P from registers (RS wgmma).
   template <typename AccO, typename Softmax>
-  __device__ __forceinline__ static void mma_p_registers(typename Traits::SharedStorage& shared, PipelineKV& pipeline_k, PipelineKV& pipeline_v,
-                             ConsumerState& st, const WarpScheduler<Traits::kNMmaWarpGroups>& scheduler,
-                             const WindowMask& mask, int m_block, int n_min, int n_max, int wg, int tid, AccO& acc_o,
-                             Softmax& softmax) {
+  __device__ __forceinline__ static void mma_p_registers(typename Traits::SharedStorage& shared,
+                                                         PipelineKV& pipeline_k, PipelineKV& pipeline_v,
+                                                         ConsumerState& st,
+                                                         const WarpScheduler<Traits::kNMmaWarpGroups>& scheduler,
+                                                         const WindowMask& mask, int m_block, int n_min, int n_max,
+                                                         int wg, int tid, AccO& acc_o, Softmax& softmax) {
     typename Traits::TiledMmaQK mma_qk;
     typename Traits::TiledMmaPV mma_pv;
     auto thr_qk = mma_qk.get_thread_slice(tid);
