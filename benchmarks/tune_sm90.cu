@@ -43,9 +43,9 @@ struct Buffers {
   unsigned* diff;
 };
 
-template <int kBlockM, int kBlockN, int kStages, typename PSource = sm90::PFromRegisters>
+template <int kBlockM, int kBlockN, int kStages>
 void run_config(const Buffers& b, FwdParams params, size_t o_elems, bool first) {
-  using Traits = sm90::FwdTraits<TUNE_HEAD_DIM, kBlockM, kBlockN, kStages, Element, PSource>;
+  using Traits = sm90::FwdTraits<TUNE_HEAD_DIM, kBlockM, kBlockN, kStages, Element>;
   const AttnProblem& p = params.problem;
   cudaMemset(b.o, 0xff, o_elems * sizeof(Element));  // NaN: unwritten elements show
   Status s = sm90::run_fwd_traits<Traits>(params, nullptr);
@@ -69,8 +69,8 @@ void run_config(const Buffers& b, FwdParams params, size_t o_elems, bool first) 
   float ms = 0.f;
   cudaEventElapsedTime(&ms, e0, e1);
   const double flops = 4.0 * p.batch * p.nheads * double(p.seqlen_q) * p.seqlen_k * p.head_dim / (p.is_causal() ? 2 : 1);
-  std::printf("  %3dx%3dx%d%s  smem %3d KiB%s  %6.1f TFLOPS  max|O - O_first| %.3g  %s\n", kBlockM, kBlockN, kStages,
-              Traits::kPInSmem ? " P smem" : "       ", Traits::kSmemBytes / 1024, Traits::kOAliasesQ ? " (O over Q)" : "           ",
+  std::printf("  %3dx%3dx%d  smem %3d KiB%s  %6.1f TFLOPS  max|O - O_first| %.3g  %s\n", kBlockM, kBlockN, kStages,
+              Traits::kSmemBytes / 1024, Traits::kOAliasesQ ? " (O over Q)" : "           ",
               flops / (ms / kIters * 1e-3) / 1e12, diff, cudaGetErrorString(cudaGetLastError()));
 }
 
@@ -113,24 +113,20 @@ int main() {
       std::printf("d=%d seqlen=%d batch=%d nheads=%d causal=%d\n", d, seqlen, p.batch, nheads, int(causal));
 #if TUNE_HEAD_DIM == 64
       run_config<192, 128, 2>(b, params, elems, true);
-      run_config<192, 128, 2, sm90::PFromSmem>(b, params, elems, false);
-      run_config<128, 128, 2, sm90::PFromSmem>(b, params, elems, false);
-#elif TUNE_HEAD_DIM == 128
-      run_config<128, 128, 2>(b, params, elems, true);
-      run_config<128, 128, 2, sm90::PFromSmem>(b, params, elems, false);
-      run_config<128, 112, 2, sm90::PFromSmem>(b, params, elems, false);
-      run_config<128, 96, 2, sm90::PFromSmem>(b, params, elems, false);
-#elif TUNE_HEAD_DIM == 192
-      run_config<128, 96, 2>(b, params, elems, true);
-      run_config<128, 80, 2, sm90::PFromSmem>(b, params, elems, false);
-      run_config<128, 64, 2, sm90::PFromSmem>(b, params, elems, false);
+      run_config<128, 176, 2>(b, params, elems, false);
 #elif TUNE_HEAD_DIM == 96
       run_config<128, 128, 2>(b, params, elems, true);
-      run_config<128, 128, 2, sm90::PFromSmem>(b, params, elems, false);
+      run_config<128, 160, 2>(b, params, elems, false);
+#elif TUNE_HEAD_DIM == 128
+      run_config<128, 128, 2>(b, params, elems, true);
+      run_config<128, 160, 2>(b, params, elems, false);
+      run_config<128, 176, 2>(b, params, elems, false);
+#elif TUNE_HEAD_DIM == 192
+      run_config<128, 96, 2>(b, params, elems, true);
+      run_config<128, 112, 2>(b, params, elems, false);
 #elif TUNE_HEAD_DIM == 256
       run_config<128, 80, 2>(b, params, elems, true);
-      run_config<128, 64, 2, sm90::PFromSmem>(b, params, elems, false);
-      run_config<128, 48, 2, sm90::PFromSmem>(b, params, elems, false);
+      run_config<128, 64, 2>(b, params, elems, false);
 #endif
     }
   }

@@ -11,8 +11,10 @@
 
 namespace cutlass_flash {
 
+// fmaxf is one FMNMX; `a > b ? a : b` (NaN-propagating on one side) costs an FSETP and an FSEL,
+// a dependent pair on the critical path of the row max.
 struct MaxOp {
-  __device__ __forceinline__ float operator()(float a, float b) const { return a > b ? a : b; }
+  __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
 };
 struct SumOp {
   __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }

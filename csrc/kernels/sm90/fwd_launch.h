@@ -155,9 +155,7 @@ Status run_fwd_traits(const FwdParams& params, cudaStream_t stream) {
 template <int kHeadDim, typename Element>
 Status run_fwd(const FwdParams& params, cudaStream_t stream) {
   constexpr FwdTile kTile = fwd_tile(kHeadDim);
-  using PSource = std::conditional_t<kTile.p_in_smem, PFromSmem, PFromRegisters>;
-  return run_fwd_traits<FwdTraits<kHeadDim, kTile.block_m, kTile.block_n, kTile.stages, Element, PSource>>(params,
-                                                                                                        stream);
+  return run_fwd_traits<FwdTraits<kHeadDim, kTile.block_m, kTile.block_n, kTile.stages, Element>>(params, stream);
 }
 
 }  // namespace cutlass_flash::sm90

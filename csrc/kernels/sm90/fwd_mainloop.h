@@ -3,10 +3,10 @@
 // Per tile the producer loads K[n_max-1], Q, then K[n], V[n+1] for n descending, then V[n_min]:
 // the order the consumers use them in. Iteration n of a consumer warpgroup (64 query rows) issues
 // S_n = Q K_n^T and O += P_{n+1} V_{n+1} back to back, then computes the softmax of S_n while the
-// P V GEMM runs (FlashAttention-3's intra-warpgroup overlap; it holds with P staged in shared
-// memory, mma_p_smem: with P in registers ptxas waits for P V before the exponentials). Across
-// warpgroups, named barriers let one warpgroup issue its GEMMs while the other runs its
-// exponentials (ping-pong), so the tensor cores stay busy through the softmax.
+// P V GEMM runs (FlashAttention-3's intra-warpgroup overlap, pinned in place by
+// warpgroup_wait_all_after, see utils.h). Across warpgroups, named barriers let one warpgroup
+// issue its GEMMs while the other runs its exponentials (ping-pong), so the tensor cores stay busy
+// through the softmax.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -129,29 +129,14 @@ struct FwdMainloop {
   }
 
   // Computes the unnormalised O (acc_o) of warpgroup `wg`'s 64 rows of the tile and their
-  // softmax statistics. `tid` is the thread's index in its warpgroup.
+  // softmax statistics. `tid` is the thread's index in its warpgroup. P goes from the softmax's
+  // registers straight into the P V GEMM (RS wgmma).
   template <typename AccO, typename Softmax>
   __device__ __forceinline__ static void mma(typename Traits::SharedStorage& shared, PipelineKV& pipeline_k,
                                              PipelineKV& pipeline_v, ConsumerState& st,
                                              const WarpScheduler<Traits::kNMmaWarpGroups>& scheduler,
                                              const WindowMask& mask, int m_block, int n_min, int n_max, int wg,
                                              int tid, AccO& acc_o, Softmax& softmax) {
-    if constexpr (Traits::kPInSmem) {
-      mma_p_smem(shared, pipeline_k, pipeline_v, st, scheduler, mask, m_block, n_min, n_max, wg, tid, acc_o, softmax);
-    } else {
-      mma_p_registers(shared, pipeline_k, pipeline_v, st, scheduler, mask, m_block, n_min, n_max, wg, tid, acc_o,
-                      softmax);
-    }
-  }
-
-  // P from registers (RS wgmma).
-  template <typename AccO, typename Softmax>
-  __device__ __forceinline__ static void mma_p_registers(typename Traits::SharedStorage& shared,
-                                                         PipelineKV& pipeline_k, PipelineKV& pipeline_v,
-                                                         ConsumerState& st,
-                                                         const WarpScheduler<Traits::kNMmaWarpGroups>& scheduler,
-                                                         const WindowMask& mask, int m_block, int n_min, int n_max,
-                                                         int wg, int tid, AccO& acc_o, Softmax& softmax) {
     typename Traits::TiledMmaQK mma_qk;
     typename Traits::TiledMmaPV mma_pv;
     auto thr_qk = mma_qk.get_thread_slice(tid);
@@ -166,13 +151,13 @@ struct FwdMainloop {
     Tensor acc_o_rc = rowcol_view(acc_o);
     const int row_offset = m_block * kBlockM + wg * 64;
 
-    // P of the previous key block, as the register A operand of its P V GEMM.
+    // P of the previous key block, kept in convert_type's own register order and viewed as the A
+    // operand of its P V GEMM. Copying it element-wise into a tensor of the A layout cost ~150
+    // PRMT/LOP3/SHF per step at d = 128 (16-bit moves regrouped by the compiler).
     using FragS = decltype(partition_fragment_C(mma_qk, Shape<_64, Int<kBlockN>>{}));
-    Tensor tOrP = make_tensor<Element>(acc_as_a_layout(FragS{}.layout()));
-    auto to_p = [&](auto& tSrS) {
-      Tensor p = convert_type<Element>(tSrS);
-      copy(make_tensor(p.data(), acc_as_a_layout(tSrS.layout())), tOrP);
-    };
+    decltype(convert_type<Element>(FragS{})) rP;
+    Tensor tOrP = make_tensor(rP.data(), acc_as_a_layout(rP.layout()));
+    auto to_p = [&](auto& tSrS) { rP = convert_type<Element>(tSrS); };
     // Whether key block n needs element-wise masking for any row of the tile (one uniform test).
     auto needs_mask = [&](int n) { return mask.block_needs_mask<kBlockM, kBlockN>(m_block, n); };
     auto scores = [&](auto& tSrS, int n_block, bool masked) {
@@ -208,10 +193,8 @@ struct FwdMainloop {
       scores(tSrS, n_block, needs_mask(n_block));
       Tensor s_rc = rowcol_view(tSrS);
       correction = softmax.template max_and_exp</*kFirst=*/false>(s_rc);
-      // ptxas places this wait at the top of its basic block (after the mask branch), ahead of
-      // the exponentials, so today P V does not overlap the softmax of its own warpgroup, only
-      // the other warpgroup's (PERFLOG.md, entry 10).
-      warpgroup_wait<0>();
+      // P V ran behind the exponentials; it must be done before its P registers are rewritten.
+      warpgroup_wait_all_after(softmax.row_sum(0) + softmax.row_sum(Softmax::kRows - 1));
       pipeline_v.consumer_release(st.v);
       ++st.v;
       to_p(tSrS);
@@ -221,106 +204,6 @@ struct FwdMainloop {
     Softmax::rescale(acc_o_rc, correction);
     pipeline_v.consumer_wait(st.v);
     gemm</*kZeroInit=*/false, /*kWait=*/0>(mma_pv, tOrP, tOrV(_, _, _, st.v.index()), acc_o);
-    pipeline_v.consumer_release(st.v);
-    ++st.v;
-    ++st.tiles;
-  }
-
-  // P staged in shared memory (SS wgmma), two buffers per warpgroup. Step n retires the previous
-  // P V (wait<0>) and rescales O, issues S_n and P_{n+1} V_{n+1} (from one buffer) back to back,
-  // then runs the softmax of S_n and writes P_n into the other buffer while P V runs. No wgmma
-  // wait follows the softmax inside its step, so ptxas cannot hoist one above the exponentials
-  // (PERFLOG.md, entry 10); no register operand of a running wgmma is written (ptxas C7513) and O
-  // is read only with no wgmma in flight (C7514).
-  template <typename AccO, typename Softmax>
-  __device__ __forceinline__ static void mma_p_smem(typename Traits::SharedStorage& shared, PipelineKV& pipeline_k,
-                                                    PipelineKV& pipeline_v, ConsumerState& st,
-                                                    const WarpScheduler<Traits::kNMmaWarpGroups>& scheduler,
-                                                    const WindowMask& mask, int m_block, int n_min, int n_max, int wg,
-                                                    int tid, AccO& acc_o, Softmax& softmax) {
-    typename Traits::TiledMmaQK mma_qk;
-    typename Traits::TiledMmaPV mma_pv;
-    auto thr_qk = mma_qk.get_thread_slice(tid);
-    auto thr_pv = mma_pv.get_thread_slice(tid);
-    Tensor sQ = make_tensor(make_smem_ptr(shared.qo.data() + wg * Traits::kSlabElems), typename Traits::SmemLayoutSlab{});
-    Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutK{});
-    Tensor sVt = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutVt{});
-    Tensor sP = make_tensor(make_smem_ptr(shared.p.data() + wg * int(cosize_v<typename Traits::SmemLayoutP>)),
-                            typename Traits::SmemLayoutP{});  // (64, N, 2)
-    Tensor tSrQ = thr_qk.partition_fragment_A(sQ);
-    Tensor tSrK = thr_qk.partition_fragment_B(sK);
-    Tensor tOrV = thr_pv.partition_fragment_B(sVt);
-    Tensor tOsP = thr_pv.partition_fragment_A(sP);  // (MMA, M, K, buffer) descriptors
-    Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<_64, Int<kBlockN>>{}));
-    Tensor acc_o_rc = rowcol_view(acc_o);
-    const int row_offset = m_block * kBlockM + wg * 64;
-    auto copy_p = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_qk);
-    auto thr_copy_p = copy_p.get_thread_slice(tid);
-    Tensor tPsP = thr_copy_p.partition_D(sP);  // (CPY, M, N, buffer)
-    const int p_barrier = int(FwdBarrier::kEpilogueWG1) + wg;
-
-    auto needs_mask = [&](int n) { return mask.block_needs_mask<kBlockM, kBlockN>(m_block, n); };
-    auto apply_mask = [&](auto& tSrS, int n) { mask.apply(tSrS, tScS, row_offset, n * kBlockN); };
-    // The warpgroup's P must be complete in shared memory, and visible to the tensor cores,
-    // before any of its threads issues the GEMM that reads it.
-    auto write_p = [&](auto& tSrS, int buf) CUTLASS_LAMBDA_FUNC_INLINE {
-      Tensor rP = convert_type<Element>(tSrS);
-      copy(copy_p, thr_copy_p.retile_S(rP), tPsP(_, _, _, buf));
-      cutlass::arch::fence_view_async_shared();
-      cutlass::arch::NamedBarrier::sync(128, p_barrier);
-    };
-
-    shared.q_full.wait(st.tiles & 1);
-    int n_block = n_max - 1, buf = 0;
-    {
-      Tensor tSrS = partition_fragment_C(mma_qk, Shape<_64, Int<kBlockN>>{});
-      first_s_gemm(mma_qk, tSrQ, tSrK, tSrS, pipeline_k, st, scheduler);
-      if (needs_mask(n_block)) apply_mask(tSrS, n_block);
-      Tensor s_rc = rowcol_view(tSrS);
-      softmax.template max_and_exp</*kFirst=*/true>(s_rc);
-      write_p(tSrS, buf);
-    }
-    auto correction = make_tensor<float>(Shape<Int<Softmax::kRows>>{});
-    fill(correction, 1.f);
-    bool pv_in_flight = false;
-    PipelineState v_in_flight;
-    auto step = [&](int n, auto masked) CUTLASS_LAMBDA_FUNC_INLINE {
-      warpgroup_wait<0>();  // the previous P V (it ran during the last softmax): O is free
-      warpgroup_fence_operand(acc_o);
-      if (pv_in_flight) pipeline_v.consumer_release(v_in_flight);
-      Softmax::rescale(acc_o_rc, correction);
-      Tensor tSrS = partition_fragment_C(mma_qk, Shape<_64, Int<kBlockN>>{});
-      pipeline_k.consumer_wait(st.k);
-      scheduler.sync();
-      gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, st.k.index()), tSrS);
-      pipeline_v.consumer_wait(st.v);
-      gemm</*kZeroInit=*/false, /*kWait=*/-1>(mma_pv, tOsP(_, _, _, buf), tOrV(_, _, _, st.v.index()), acc_o);
-      v_in_flight = st.v;
-      pv_in_flight = true;
-      ++st.v;
-      scheduler.arrive();
-      warpgroup_wait<1>();  // S done; P V still running
-      warpgroup_fence_operand(tSrS);
-      pipeline_k.consumer_release(st.k);
-      ++st.k;
-      if constexpr (decltype(masked)::value) apply_mask(tSrS, n);
-      Tensor s_rc = rowcol_view(tSrS);
-      correction = softmax.template max_and_exp</*kFirst=*/false>(s_rc);
-      buf ^= 1;
-      write_p(tSrS, buf);  // the other buffer: its last reader was retired above
-    };
-    // Blocks needing a mask come first (the diagonal and the end of the keys) and, with a left
-    // window edge, last; the middle ones run the unmasked body.
-    for (--n_block; n_block >= n_min && needs_mask(n_block); --n_block) step(n_block, cute::true_type{});
-    for (; n_block >= n_min && !needs_mask(n_block); --n_block) step(n_block, cute::false_type{});
-    for (; n_block >= n_min; --n_block) step(n_block, cute::true_type{});
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(acc_o);
-    if (pv_in_flight) pipeline_v.consumer_release(v_in_flight);
-    if constexpr (!Traits::kOAliasesQ) shared.q_empty.arrive();  // Q has no reader left
-    Softmax::rescale(acc_o_rc, correction);
-    pipeline_v.consumer_wait(st.v);
-    gemm</*kZeroInit=*/false, /*kWait=*/0>(mma_pv, tOsP(_, _, _, buf), tOrV(_, _, _, st.v.index()), acc_o);
     pipeline_v.consumer_release(st.v);
     ++st.v;
     ++st.tiles;

@@ -15,15 +15,9 @@ namespace cutlass_flash::sm90 {
 
 using namespace cute;
 
-// Where O += P V reads P from (a policy of the mainloop):
-struct PFromRegisters {};  // the softmax's registers (RS wgmma)
-struct PFromSmem {};       // two shared-memory buffers per consumer warpgroup (SS wgmma)
-
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, typename Element_,
-          typename PSource = PFromRegisters>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, typename Element_>
 struct FwdTraits {
   using Element = Element_;
-  static constexpr bool kPInSmem = is_same_v<PSource, PFromSmem>;
   static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kStages = kStages_;
 
   // Warpgroup 0 produces (one thread issues every TMA load); warpgroups 1.. consume, 64 query
@@ -44,12 +38,8 @@ struct FwdTraits {
   // S: both operands in shared memory. O: P from registers (the softmax output, never stored),
   // V read transposed from its (key, d) shared-memory tile (MN-major B).
   using TiledMmaQK = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, TileShapeQK>()));
-  using TiledMmaPV = conditional_t<
-      kPInSmem,
-      decltype(make_tiled_mma(
-          GMMA::ss_op_selector<Element, Element, float, TileShapePV, GMMA::Major::K, GMMA::Major::MN>())),
-      decltype(make_tiled_mma(
-          GMMA::rs_op_selector<Element, Element, float, TileShapePV, GMMA::Major::K, GMMA::Major::MN>()))>;
+  using TiledMmaPV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, TileShapePV, GMMA::Major::K, GMMA::Major::MN>()));
   static_assert(size<1>(typename TiledMmaQK::AtomShape_MNK{}) == kBlockN &&
                     size<1>(typename TiledMmaPV::AtomShape_MNK{}) == kHeadDim,
                 "one wgmma per k16 slice: define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED before any "
@@ -71,12 +61,7 @@ struct FwdTraits {
       SmemLayoutV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
 
   static constexpr int kQElems = kNMmaWarpGroups * kSlabElems, kKVElems = cosize_v<SmemLayoutK>;
-  // P staged for the P V GEMM: (64, key block, 2 buffers) per consumer warpgroup.
-  using SmemLayoutP = decltype(tile_to_shape(
-      cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, _64, Int<kBlockN>>(),
-      Shape<_64, Int<kBlockN>, _2>{}));
-  static constexpr int kPElems = kPInSmem ? kNMmaWarpGroups * int(cosize_v<SmemLayoutP>) : 0;
-  static constexpr int kSeparateOBytes = (2 * kQElems + 2 * kKVElems + kPElems) * int(sizeof(Element));
+  static constexpr int kSeparateOBytes = (2 * kQElems + 2 * kKVElems) * int(sizeof(Element));
   static constexpr int kMaxSmemBytes = 227 * 1024;
   // When Q, O and the K/V stages do not fit side by side, O is written over Q (whose last reader
   // is the tile's last S GEMM); the producer then loads the next tile's Q only once O is stored.
@@ -100,7 +85,6 @@ struct FwdTraits {
     cute::array_aligned<Element, kQElems + (kOAliasesQ ? 0 : kQElems), 1024> qo;  // Q, then O unless aliased
     cute::array_aligned<Element, kKVElems, 1024> k;
     cute::array_aligned<Element, kKVElems, 1024> v;
-    cute::array_aligned<Element, (kPElems > 0 ? kPElems : 8), 1024> p;
     typename PipelineKV::SharedStorage pipeline_k;
     typename PipelineKV::SharedStorage pipeline_v;
     cutlass::arch::ClusterTransactionBarrier q_full;

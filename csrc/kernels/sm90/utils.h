@@ -31,6 +31,22 @@ __device__ __forceinline__ void gemm(TiledMma& mma, const TensorA& a, const Tens
   if constexpr (kAInRegisters) warpgroup_fence_operand(const_cast<TensorA&>(a));
 }
 
+// warpgroup_wait<0>() that stays below the computation of `gate`. ptxas schedules a wgmma wait at
+// the top of its basic block, whatever the order in the source (PERFLOG.md, entries 10 and 13):
+// after the softmax it would retire P V before the exponentials instead of behind them. A copy of
+// the wait predicated on `gate` (any finite or NaN value but -1: a softmax row sum) becomes a branch
+// that needs `gate`, so the block, and the plain wait that follows for correctness, start below it.
+__device__ __forceinline__ void warpgroup_wait_all_after(float gate) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.neu.f32 p, %0, 0fBF800000;\n"
+      "@p wgmma.wait_group.sync.aligned 0;\n"
+      "}\n" ::"f"(gate)
+      : "memory");
+  warpgroup_wait<0>();
+}
+
 // wgmma accumulator ((2, 2, N/8), MMA_M, MMA_N) -> (rows, cols) = ((2, MMA_M), (2, N/8, MMA_N)).
 // Per 64-row atom a thread holds rows r and r + 8 (mode 0,1) and column pairs (mode 0,0) of
 // every 8-column group, so a row is spread over the 4 threads of a quad, as on sm80.
