@@ -35,18 +35,26 @@ Status ensure_smem_limit(int smem_bytes) {
 
 inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
-// Multiprocessor count of the current device, queried once per device (persistent grids size
-// themselves by it on every call).
-inline Status multiprocessor_count(int& count) {
+// An attribute of the current device, queried once per device (persistent grids size themselves
+// by the multiprocessor count and order their tiles by the L2 size on every call).
+template <cudaDeviceAttr kAttr>
+Status device_attribute(int& value, const char* what) {
   constexpr int kMaxDevices = 64;
   static std::atomic<int> cached[kMaxDevices] = {};
   int device = 0;
   if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return cuda_status(err, "cudaGetDevice");
-  if (device < kMaxDevices && (count = cached[device].load(std::memory_order_relaxed)) > 0) return Status::Ok();
-  if (cudaError_t err = cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device); err != cudaSuccess)
-    return cuda_status(err, "cudaDeviceGetAttribute(MultiProcessorCount)");
-  if (device < kMaxDevices) cached[device].store(count, std::memory_order_relaxed);
+  if (device < kMaxDevices && (value = cached[device].load(std::memory_order_relaxed)) > 0) return Status::Ok();
+  if (cudaError_t err = cudaDeviceGetAttribute(&value, kAttr, device); err != cudaSuccess) return cuda_status(err, what);
+  if (device < kMaxDevices) cached[device].store(value, std::memory_order_relaxed);
   return Status::Ok();
+}
+
+inline Status multiprocessor_count(int& count) {
+  return device_attribute<cudaDevAttrMultiProcessorCount>(count, "cudaDeviceGetAttribute(MultiProcessorCount)");
+}
+
+inline Status l2_cache_bytes(int& bytes) {
+  return device_attribute<cudaDevAttrL2CacheSize>(bytes, "cudaDeviceGetAttribute(L2CacheSize)");
 }
 
 }  // namespace cutlass_flash

@@ -3,6 +3,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
+
 namespace cutlass_flash {
 
 struct TileCoord {
@@ -32,21 +34,32 @@ struct GridTileScheduler {
 // span about two heads: 8 MiB of K/V against 60 MiB of L2).
 //
 // With a causal mask (`longest_first`) query block m costs m + 1 key blocks. Tiles then go in
-// order of decreasing m (heads and batches inner), so the short tiles fill the tail, and odd
-// rounds are walked backwards (block b takes the round's tile gridDim.x - 1 - b): a block that got
-// one of the longest tiles of a round gets one of the shortest of the next. A plain stride gave
-// block b the same m again and again whenever gridDim.x is close to a multiple of the number of
-// query blocks: 132 = 22 x 6 at 1k tokens and d = 64, 132 = 128 + 4 at 16k and d = 128, measured
-// at 46% and 70% of the non-causal rate (PERFLOG.md).
+// order of decreasing m with heads and batches inner, so the short tiles fill the tail, within
+// groups of `group` (head, batch) pairs whose K and V fit in about half the L2: with every head
+// inner, the 132 blocks of a round all read different heads (at 2k tokens and d = 128: 128
+// heads, 128 MiB of K/V against 60 MiB of L2) and K/V came from DRAM at every tile (PERFLOG.md,
+// entry 14). Odd rounds are walked backwards (block b takes the round's tile gridDim.x - 1 - b):
+// a block that got one of the longest tiles of a round gets one of the shortest of the next. A
+// plain stride gave block b the same m again and again whenever gridDim.x is close to a multiple
+// of the number of query blocks: 132 = 22 x 6 at 1k tokens and d = 64, 132 = 128 + 4 at 16k and
+// d = 128, measured at 46% and 70% of the non-causal rate (PERFLOG.md, entry 8).
 struct PersistentTileScheduler {
   int num_blocks;  // query blocks per (head, batch)
   int nheads;
   int num_tiles;
   bool longest_first;
+  int group;  // (head, batch) pairs per group when longest_first
 
-  __host__ __device__ PersistentTileScheduler(int num_blocks_, int nheads_, int batch, bool longest_first_)
+  __host__ __device__ PersistentTileScheduler(int num_blocks_, int nheads_, int batch, bool longest_first_,
+                                              int group_ = 1)
       : num_blocks(num_blocks_), nheads(nheads_), num_tiles(num_blocks_ * nheads_ * batch),
-        longest_first(longest_first_) {}
+        longest_first(longest_first_), group(group_) {}
+
+  // Pairs whose K and V (kv_bytes each) fit in `budget_bytes`, at least 1.
+  static int group_size(int64_t budget_bytes, int64_t kv_bytes, int head_batch_count) {
+    const int64_t g = kv_bytes > 0 ? budget_bytes / kv_bytes : head_batch_count;
+    return g < 1 ? 1 : g > head_batch_count ? head_batch_count : int(g);
+  }
 
   static int grid_size(int num_tiles, int num_sms) { return num_tiles < num_sms ? num_tiles : num_sms; }
 
@@ -60,8 +73,11 @@ struct PersistentTileScheduler {
   __host__ __device__ TileCoord coord(int tile) const {
     if (longest_first) {
       const int head_batch_count = num_tiles / num_blocks;
-      const int hb = tile % head_batch_count;
-      return {num_blocks - 1 - tile / head_batch_count, hb % nheads, hb / nheads};
+      const int g = tile / (group * num_blocks), first = g * group;
+      const int size = head_batch_count - first < group ? head_batch_count - first : group;
+      const int t = tile - first * num_blocks;  // index inside the group: m outer, pairs inner
+      const int hb = first + t % size;
+      return {num_blocks - 1 - t / size, hb % nheads, hb / nheads};
     }
     const int hb = tile / num_blocks;
     return {tile % num_blocks, hb % nheads, hb / nheads};

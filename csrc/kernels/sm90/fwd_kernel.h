@@ -33,7 +33,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   const AttnProblem& p = params.problem;
   const WindowMask mask(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right);
-  const PersistentTileScheduler scheduler(params.num_m_blocks, p.nheads, p.batch, /*longest_first=*/p.window_right >= 0);
+  const PersistentTileScheduler scheduler(params.num_m_blocks, p.nheads, p.batch,
+                                          /*longest_first=*/p.window_right >= 0, params.tile_group);
   const int warp_group = cutlass::canonical_warp_group_idx();
 
   if (threadIdx.x == 0) {

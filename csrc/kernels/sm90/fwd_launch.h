@@ -140,11 +140,17 @@ Status run_fwd_traits(const FwdParams& params, cudaStream_t stream) {
   const AttnProblem& p = params.problem;
   for (auto [ref, name] : {std::pair{&params.q, "q"}, {&params.k, "k"}, {&params.v, "v"}, {&params.o, "out"}})
     if (Status s = check_tma_ref<Element>(*ref, name); !s.ok()) return s;
-  const FwdKernelParams<Traits> kp = fwd_kernel_params<Traits>(params);
+  FwdKernelParams<Traits> kp = fwd_kernel_params<Traits>(params);
 
-  int num_sms = 0;
+  int num_sms = 0, l2_bytes = 0;
   if (Status s = multiprocessor_count(num_sms); !s.ok()) return s;
-  const PersistentTileScheduler scheduler(kp.num_m_blocks, p.nheads, p.batch, /*longest_first=*/p.window_right >= 0);
+  if (Status s = l2_cache_bytes(l2_bytes); !s.ok()) return s;
+  // K and V of one query head (a kv head is shared by nheads / nheads_kv of them, which the
+  // scheduler keeps adjacent); half the L2 leaves room for Q and O passing through.
+  const int64_t kv_bytes = 2 * int64_t(p.seqlen_k) * p.head_dim * int64_t(sizeof(Element)) * p.nheads_kv / p.nheads;
+  kp.tile_group = PersistentTileScheduler::group_size(l2_bytes / 2, kv_bytes, p.nheads * p.batch);
+  const PersistentTileScheduler scheduler(kp.num_m_blocks, p.nheads, p.batch, /*longest_first=*/p.window_right >= 0,
+                                          kp.tile_group);
   const int grid = PersistentTileScheduler::grid_size(scheduler.num_tiles, num_sms);
   constexpr auto kernel = fwd_kernel<Traits>;
   if (Status s = ensure_smem_limit<kernel>(Traits::kSmemBytes); !s.ok()) return s;

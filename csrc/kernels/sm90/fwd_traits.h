@@ -111,6 +111,7 @@ struct FwdKernelParams {
   TensorRef4 o;  // for tiles that see no key, stored directly
   float* lse;
   int num_m_blocks;
+  int tile_group;  // PersistentTileScheduler::group
   typename Traits::TmaQ tma_q;
   typename Traits::TmaKV tma_k;
   typename Traits::TmaKV tma_v;
