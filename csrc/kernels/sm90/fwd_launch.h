@@ -148,10 +148,10 @@ Status run_fwd_traits(const FwdParams& params, cudaStream_t stream) {
   // K and V of one query head (a kv head is shared by nheads / nheads_kv of them, which the
   // scheduler keeps adjacent); half the L2 leaves room for Q and O passing through.
   const int64_t kv_bytes = 2 * int64_t(p.seqlen_k) * p.head_dim * int64_t(sizeof(Element)) * p.nheads_kv / p.nheads;
-  kp.tile_group = PersistentTileScheduler::group_size(l2_bytes / 2, kv_bytes, p.nheads * p.batch);
-  const PersistentTileScheduler scheduler(kp.num_m_blocks, p.nheads, p.batch, /*longest_first=*/p.window_right >= 0,
-                                          kp.tile_group);
-  const int grid = PersistentTileScheduler::grid_size(scheduler.num_tiles, num_sms);
+  const int num_tiles = kp.num_m_blocks * p.nheads * p.batch;
+  const int grid = PersistentTileScheduler::grid_size(num_tiles, num_sms);
+  kp.tile_group =
+      PersistentTileScheduler::group_size(l2_bytes / 2, kv_bytes, p.nheads * p.batch, kp.num_m_blocks, grid);
   constexpr auto kernel = fwd_kernel<Traits>;
   if (Status s = ensure_smem_limit<kernel>(Traits::kSmemBytes); !s.ok()) return s;
   kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(kp);
