@@ -32,10 +32,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   auto& shared = *reinterpret_cast<typename Traits::SharedStorage*>(smem);
 
   const AttnProblem& p = params.problem;
-  const WindowMask mask(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right);
-  const PersistentTileScheduler scheduler(params.num_m_blocks, p.nheads, p.batch,
-                                          /*longest_first=*/p.window_right >= 0, params.tile_group);
   const int warp_group = cutlass::canonical_warp_group_idx();
+  // Built after each role's setmaxnreg, not here: values live across it were spilled at d = 256.
+  auto make_mask = [&] { return WindowMask(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right); };
+  auto make_scheduler = [&] {
+    return PersistentTileScheduler(params.num_m_blocks, p.nheads, p.batch, /*longest_first=*/p.window_right >= 0,
+                                   params.tile_group);
+  };
 
   if (threadIdx.x == 0) {
     prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
@@ -57,6 +60,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
     if (threadIdx.x == 0) {
+      const WindowMask mask = make_mask();
+      const PersistentTileScheduler scheduler = make_scheduler();
       typename Mainloop::ProducerState state;
       for (int r = 0, t = scheduler.tile(0); scheduler.valid(t); t = scheduler.tile(++r)) {
         const TileCoord tile = scheduler.coord(t);
@@ -67,6 +72,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
+    const WindowMask mask = make_mask();
+    const PersistentTileScheduler scheduler = make_scheduler();
     const int wg = warp_group - 1, tid = int(threadIdx.x) % 128;
     const WarpScheduler<Traits::kNMmaWarpGroups> ping_pong{wg};
     ping_pong.init();
