@@ -90,7 +90,7 @@ int main() {
   fill_random<<<1024, 256>>>(b.q, elems, 1);
   fill_random<<<1024, 256>>>(b.k, elems, 2);
   fill_random<<<1024, 256>>>(b.v, elems, 3);
-  for (int seqlen : {1024, 2048, 8192}) {
+  for (int seqlen : {1024, 2048, 4096, 8192}) {
     for (bool causal : {false, true}) {
       FwdParams params{};
       AttnProblem& p = params.problem;
@@ -113,6 +113,7 @@ int main() {
       std::printf("d=%d seqlen=%d batch=%d nheads=%d causal=%d\n", d, seqlen, p.batch, nheads, int(causal));
 #if TUNE_HEAD_DIM == 64
       run_config<192, 128, 2>(b, params, elems, true);
+      run_config<128, 128, 2>(b, params, elems, false);
       run_config<128, 176, 2>(b, params, elems, false);
 #elif TUNE_HEAD_DIM == 96
       run_config<128, 128, 2>(b, params, elems, true);

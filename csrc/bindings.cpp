@@ -72,24 +72,39 @@ AttnProblem problem(int batch, int seqlen_q, int seqlen_k, int nheads, int nhead
 
 cudaStream_t as_stream(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
 
+// The fields FwdParams and BwdParams share.
+template <typename Params>
+void set_common(Params& params, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
+                const AttnProblem& p) {
+  params.problem = p;
+  params.q = tensor(q);
+  params.k = tensor(k);
+  params.v = tensor(v);
+  params.o = tensor(o);
+}
+
+// Runs a library call without the GIL (the launch path may block on a full CUDA queue) and raises
+// on its Status with the GIL held again.
+template <typename F>
+void run_without_gil(F&& call) {
+  Status s;
+  {
+    py::gil_scoped_release nogil;
+    s = call();
+  }
+  check(s);
+}
+
 void fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, uintptr_t lse,
          int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_kv, int head_dim,
          float softmax_scale, int window_left, int window_right, const std::string& dtype, int arch,
          uintptr_t stream) {
   FwdParams params;
-  params.problem = problem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, softmax_scale,
-                           window_left, window_right, dtype);
-  params.q = tensor(q);
-  params.k = tensor(k);
-  params.v = tensor(v);
-  params.o = tensor(o);
+  set_common(params, q, k, v, o,
+             problem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, softmax_scale,
+                     window_left, window_right, dtype));
   params.lse = reinterpret_cast<float*>(lse);
-  Status s;
-  {
-    py::gil_scoped_release nogil;
-    s = run_fwd(params, arch, as_stream(stream));
-  }
-  check(s);
+  run_without_gil([&] { return run_fwd(params, arch, as_stream(stream)); });
 }
 
 void bwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& dout,
@@ -98,24 +113,16 @@ void bwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, con
          float softmax_scale, int window_left, int window_right, const std::string& dtype, int arch,
          uintptr_t stream) {
   BwdParams params;
-  params.problem = problem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, softmax_scale,
-                           window_left, window_right, dtype);
-  params.q = tensor(q);
-  params.k = tensor(k);
-  params.v = tensor(v);
-  params.o = tensor(o);
+  set_common(params, q, k, v, o,
+             problem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, softmax_scale,
+                     window_left, window_right, dtype));
   params.dout = tensor(dout);
   params.lse = reinterpret_cast<const float*>(lse);
   params.dq = tensor(dq);
   params.dk = tensor(dk);
   params.dv = tensor(dv);
   params.workspace = reinterpret_cast<void*>(workspace);
-  Status s;
-  {
-    py::gil_scoped_release nogil;
-    s = run_bwd(params, arch, as_stream(stream));
-  }
-  check(s);
+  run_without_gil([&] { return run_bwd(params, arch, as_stream(stream)); });
 }
 
 size_t workspace_bytes(int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_kv,
