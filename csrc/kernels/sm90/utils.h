@@ -34,8 +34,10 @@ __device__ __forceinline__ void gemm(TiledMma& mma, const TensorA& a, const Tens
 // warpgroup_wait<0>() that stays below the computation of `gate`. ptxas schedules a wgmma wait at
 // the top of its basic block, whatever the order in the source (PERFLOG.md, entries 10 and 13):
 // after the softmax it would retire P V before the exponentials instead of behind them. A copy of
-// the wait predicated on `gate` (any finite or NaN value but -1: a softmax row sum) becomes a branch
-// that needs `gate`, so the block, and the plain wait that follows for correctness, start below it.
+// the wait predicated on `gate != -1` becomes a branch that needs `gate`, so the block, and the
+// plain wait after it, start below the computation of `gate`. Correctness rests on the plain wait
+// alone. `gate` is a sum of softmax row sums (>= 0, or NaN/inf), never -1, so every thread takes
+// the predicated wait and the warp stays converged, as `.aligned` requires.
 __device__ __forceinline__ void warpgroup_wait_all_after(float gate) {
   asm volatile(
       "{\n"
