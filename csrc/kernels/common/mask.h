@@ -24,17 +24,23 @@ struct WindowMask {
   __host__ __device__ bool has_right() const { return window_right >= 0; }
   __host__ __device__ int diag() const { return seqlen_k - seqlen_q; }
 
-  // Key blocks [n_min, n_max) that the query rows [m_begin, m_begin + kBlockM) touch.
-  template <int kBlockM, int kBlockN>
-  __host__ __device__ void n_block_range(int m_block, int& n_min, int& n_max) const {
-    const int m_begin = m_block * kBlockM;
-    const int m_end = min(m_begin + kBlockM, seqlen_q);
-    n_max = (seqlen_k + kBlockN - 1) / kBlockN;
-    n_min = 0;
+  // One past the last key block that the query rows [m_begin, m_end) touch.
+  template <int kBlockN>
+  __host__ __device__ int n_block_end(int m_begin, int m_end) const {
+    int n_max = (seqlen_k + kBlockN - 1) / kBlockN;
     if (has_right()) {
       const int last_col = m_end - 1 + diag() + window_right;  // inclusive
       n_max = min(n_max, max(0, last_col + kBlockN) / kBlockN);
     }
+    return n_max;
+  }
+
+  // Key blocks [n_min, n_max) that the query rows [m_begin, m_begin + kBlockM) touch.
+  template <int kBlockM, int kBlockN>
+  __host__ __device__ void n_block_range(int m_block, int& n_min, int& n_max) const {
+    const int m_begin = m_block * kBlockM;
+    n_max = n_block_end<kBlockN>(m_begin, min(m_begin + kBlockM, seqlen_q));
+    n_min = 0;
     if (has_left()) {
       const int first_col = m_begin + diag() - window_left;
       n_min = max(0, first_col) / kBlockN;

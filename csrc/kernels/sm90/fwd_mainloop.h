@@ -164,9 +164,23 @@ struct FwdMainloop {
       if (masked) mask.apply(tSrS, tScS, row_offset, n_block * kBlockN);
     };
 
+    // Key blocks of the tile above this warpgroup's last row (a 192-row tile spans 1.5 key blocks
+    // of the diagonal at d = 64; 128 rows span 1.6 at d = 256) are not multiplied: their K and V
+    // stages are waited for and released, and their ping-pong turns passed, so the pipelines and
+    // the turn order stay in step with the other warpgroups.
+    const int wg_rows_end = min(row_offset + 64, mask.seqlen_q);
+    const int n_top = max(n_min + 1, min(n_max, mask.n_block_end<kBlockN>(row_offset, wg_rows_end)));
+    for (int n = n_max - 1; n >= n_top; --n) {
+      pipeline_k.consumer_wait(st.k);
+      pipeline_k.consumer_release(st.k);
+      ++st.k;
+      scheduler.sync();
+      scheduler.arrive();
+    }
+
     shared.q_full.wait(st.tiles & 1);
     // First (highest) key block: S only; its P V waits for the next iteration.
-    int n_block = n_max - 1;
+    int n_block = n_top - 1;
     {
       Tensor tSrS = partition_fragment_C(mma_qk, Shape<_64, Int<kBlockN>>{});
       first_s_gemm(mma_qk, tSrQ, tSrK, tSrS, pipeline_k, st, scheduler);
@@ -174,6 +188,11 @@ struct FwdMainloop {
       Tensor s_rc = rowcol_view(tSrS);
       softmax.template max_and_exp</*kFirst=*/true>(s_rc);
       to_p(tSrS);
+    }
+    for (int n = n_max - 1; n >= n_top; --n) {
+      pipeline_v.consumer_wait(st.v);
+      pipeline_v.consumer_release(st.v);
+      ++st.v;
     }
     auto correction = make_tensor<float>(Shape<Int<Softmax::kRows>>{});
     fill(correction, 1.f);
