@@ -27,8 +27,8 @@ constexpr FwdTile fwd_tile(int head_dim) {
   // 631 / 728 / 718.
   if (head_dim <= 192) return {128, 96, 2};
   // d = 256, O in Q's place: Q/O 64 + 2 x (K 40 + V 40) = 224 KiB. 666 / 731 / 734; 128x64
-  // 645 / 707 / 675. ptxas spills 4 B at 128x80: one per-tile value, reloaded once per tile
-  // (none in the mainloop); 128x64 spills nothing.
+  // 645 / 707 / 675. No spills (ptxas -v) since the mask and scheduler are built after setmaxnreg
+  // (PERFLOG.md, entry 16).
   return {128, 80, 2};
 }
 
