@@ -24,7 +24,7 @@ int main() {
         for (bool causal : {false, true})
           for (int64_t kv_bytes : {int64_t(1), int64_t(3) << 20, int64_t(40) << 20, int64_t(1) << 40}) {
             const int pairs = nheads * batch;
-            const int grid = num_blocks * pairs < 132 ? num_blocks * pairs : 132;
+            const int grid = PersistentTileScheduler::grid_size(num_blocks * pairs, 132);
             const int group = PersistentTileScheduler::group_size(int64_t(30) << 20, kv_bytes, pairs, num_blocks, grid);
             if (group < 1 || group > pairs) ++errors;
             const PersistentTileScheduler s(num_blocks, nheads, batch, causal, group);

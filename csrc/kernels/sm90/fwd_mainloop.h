@@ -112,6 +112,13 @@ struct FwdMainloop {
     int tiles = 0;
   };
 
+  // Waits for a stage and releases it unread: a key block this warpgroup's rows do not see.
+  __device__ __forceinline__ static void pass_stage(PipelineKV& pipeline, PipelineState& state) {
+    pipeline.consumer_wait(state);
+    pipeline.consumer_release(state);
+    ++state;
+  }
+
   // S of a tile's first (highest) key block: issued in this warpgroup's ping-pong turn and waited
   // for (no P V is pending yet); the K stage is released.
   template <typename TiledMma, typename TensorQ, typename TensorK, typename TensorS>
@@ -171,9 +178,7 @@ struct FwdMainloop {
     const int wg_rows_end = min(row_offset + 64, mask.seqlen_q);
     const int n_top = max(n_min + 1, min(n_max, mask.n_block_end<kBlockN>(row_offset, wg_rows_end)));
     for (int n = n_max - 1; n >= n_top; --n) {
-      pipeline_k.consumer_wait(st.k);
-      pipeline_k.consumer_release(st.k);
-      ++st.k;
+      pass_stage(pipeline_k, st.k);
       scheduler.sync();
       scheduler.arrive();
     }
@@ -189,11 +194,7 @@ struct FwdMainloop {
       softmax.template max_and_exp</*kFirst=*/true>(s_rc);
       to_p(tSrS);
     }
-    for (int n = n_max - 1; n >= n_top; --n) {
-      pipeline_v.consumer_wait(st.v);
-      pipeline_v.consumer_release(st.v);
-      ++st.v;
-    }
+    for (int n = n_max - 1; n >= n_top; --n) pass_stage(pipeline_v, st.v);
     auto correction = make_tensor<float>(Shape<Int<Softmax::kRows>>{});
     fill(correction, 1.f);
     for (--n_block; n_block >= n_min; --n_block) {
