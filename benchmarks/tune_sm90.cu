@@ -1,11 +1,14 @@
 // Times tile configurations of the sm90 forward kernel against each other, with no PyTorch: the
 // candidates of one head dim (TUNE_HEAD_DIM) are compiled into one binary, each run on the FA3
-// grid (batch x seqlen = 16k tokens, nheads x d = 2048, bf16) and its output compared with the
+// grid (batch x seqlen = 16k tokens, nheads x d = 2048) and its output compared with the
 // first configuration's (a broken configuration shows as a large difference or NaN).
 //
 //   nvcc -std=c++17 -O3 --use_fast_math --expt-relaxed-constexpr -DNDEBUG -DTUNE_HEAD_DIM=128 \
 //        -gencode arch=compute_90a,code=sm_90a -Icsrc -Icsrc/include -I<cutlass>/include \
 //        benchmarks/tune_sm90.cu -o tune128 && ./tune128
+//
+// -DTUNE_FP16 times fp16 instead. Environment: TUNE_SEQLENS (comma list, default 1024,2048,4096,8192),
+// TUNE_CAUSAL (0 or 1; both when unset), TUNE_ITERS (timed launches, default 20).
 //
 // The chosen shapes live in csrc/kernels/sm90/tile_config.h; results go to PERFLOG.md.
 #define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
@@ -14,12 +17,38 @@
 #include <cstdio>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "kernels/sm90/fwd_launch.h"
 
-using Element = cutlass::bfloat16_t;
 using namespace cutlass_flash;
+
+#ifdef TUNE_FP16
+using Element = cutlass::half_t;
+constexpr DType kDType = DType::kFloat16;
+#else
+using Element = cutlass::bfloat16_t;
+constexpr DType kDType = DType::kBFloat16;
+#endif
+
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::atoi(v) : fallback;
+}
+
+std::vector<int> env_ints(const char* name, std::vector<int> fallback) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  std::vector<int> out;
+  for (const char* c = v; *c;) {
+    out.push_back(std::atoi(c));
+    while (*c && *c != ',') ++c;
+    if (*c == ',') ++c;
+  }
+  return out;
+}
 
 __global__ void fill_random(Element* p, size_t n, uint32_t seed) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
@@ -61,7 +90,7 @@ void run_config(const Buffers& b, FwdParams params, size_t o_elems, bool first) 
   cudaEvent_t e0, e1;
   cudaEventCreate(&e0);
   cudaEventCreate(&e1);
-  constexpr int kIters = 20;
+  const int kIters = env_int("TUNE_ITERS", 20);
   cudaEventRecord(e0);
   for (int i = 0; i < kIters; ++i) sm90::run_fwd_traits<Traits>(params, nullptr);
   cudaEventRecord(e1);
@@ -90,8 +119,10 @@ int main() {
   fill_random<<<1024, 256>>>(b.q, elems, 1);
   fill_random<<<1024, 256>>>(b.k, elems, 2);
   fill_random<<<1024, 256>>>(b.v, elems, 3);
-  for (int seqlen : {1024, 2048, 4096, 8192}) {
+  const int causal_only = env_int("TUNE_CAUSAL", -1);
+  for (int seqlen : env_ints("TUNE_SEQLENS", {1024, 2048, 4096, 8192})) {
     for (bool causal : {false, true}) {
+      if (causal_only >= 0 && int(causal) != causal_only) continue;
       FwdParams params{};
       AttnProblem& p = params.problem;
       p.batch = tokens / seqlen;
@@ -101,7 +132,7 @@ int main() {
       p.softmax_scale = 1.f / std::sqrt(float(d));
       p.window_left = -1;
       p.window_right = causal ? 0 : -1;
-      p.dtype = DType::kBFloat16;
+      p.dtype = kDType;
       auto ref = [&](Element* ptr) {
         return TensorRef4{ptr, int64_t(seqlen) * nheads * d, int64_t(nheads) * d, int64_t(d)};
       };
@@ -120,8 +151,8 @@ int main() {
       run_config<128, 160, 2>(b, params, elems, false);
 #elif TUNE_HEAD_DIM == 128
       run_config<128, 128, 2>(b, params, elems, true);
-      run_config<128, 160, 2>(b, params, elems, false);
       run_config<128, 176, 2>(b, params, elems, false);
+      run_config<128, 128, 3>(b, params, elems, false);
 #elif TUNE_HEAD_DIM == 192
       run_config<128, 96, 2>(b, params, elems, true);
       run_config<128, 112, 2>(b, params, elems, false);

@@ -11,6 +11,11 @@ contiguous. out: like q (contiguous); lse: float32 (batch, nheads, seqlen_q), na
 rows that see no key. dq, dk, dv: contiguous, shaped like q, k, v. The window is relative to the
 bottom-right-aligned diagonal: (-1, -1) no mask, (-1, 0) causal. arch: kernel family, 0 = auto.
 Head dims that are not instantiated are zero-padded here and the results sliced back.
+
+flash_attn_func runs the ops' implementations directly when nothing traces the call (plain
+tensors, no dispatch mode, not compiling), with the same autograd as an autograd.Function: the op
+dispatch costs more per call than the kernel launch itself. Under torch.compile, make_fx or
+FakeTensorMode it calls the ops.
 """
 
 import torch
@@ -46,16 +51,7 @@ def _pad(t, pad):
     return F.pad(t, (0, pad)) if pad else t
 
 
-@torch.library.custom_op("cutlass_flash::fwd", mutates_args=())
-def fwd_op(
-    q: _Tensor,
-    k: _Tensor,
-    v: _Tensor,
-    softmax_scale: float,
-    window_left: int,
-    window_right: int,
-    arch: int,
-) -> tuple[_Tensor, _Tensor]:
+def _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch):
     _validate.check_op_tensors(q, k, v)
     batch, seqlen_q, nheads, head_dim = q.shape
     padded = _dispatch.padded_head_dim(head_dim)
@@ -85,6 +81,19 @@ def fwd_op(
     return out, lse
 
 
+@torch.library.custom_op("cutlass_flash::fwd", mutates_args=())
+def fwd_op(
+    q: _Tensor,
+    k: _Tensor,
+    v: _Tensor,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    arch: int,
+) -> tuple[_Tensor, _Tensor]:
+    return _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch)
+
+
 @fwd_op.register_fake
 def _fwd_fake(q, k, v, softmax_scale, window_left, window_right, arch):
     batch, seqlen_q, nheads, head_dim = q.shape
@@ -93,19 +102,7 @@ def _fwd_fake(q, k, v, softmax_scale, window_left, window_right, arch):
     return out, lse
 
 
-@torch.library.custom_op("cutlass_flash::bwd", mutates_args=())
-def bwd_op(
-    dout: _Tensor,
-    q: _Tensor,
-    k: _Tensor,
-    v: _Tensor,
-    out: _Tensor,
-    lse: _Tensor,
-    softmax_scale: float,
-    window_left: int,
-    window_right: int,
-    arch: int,
-) -> tuple[_Tensor, _Tensor, _Tensor]:
+def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch):
     # dout comes from autograd in any layout (e.g. expanded, with stride 0): copy if needed.
     if not _validate.is_kernel_layout(dout):
         dout = dout.clone(memory_format=torch.contiguous_format)
@@ -165,6 +162,22 @@ def bwd_op(
     return dq, dk, dv
 
 
+@torch.library.custom_op("cutlass_flash::bwd", mutates_args=())
+def bwd_op(
+    dout: _Tensor,
+    q: _Tensor,
+    k: _Tensor,
+    v: _Tensor,
+    out: _Tensor,
+    lse: _Tensor,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    arch: int,
+) -> tuple[_Tensor, _Tensor, _Tensor]:
+    return _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch)
+
+
 @bwd_op.register_fake
 def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
@@ -183,18 +196,45 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    if dout is None:
-        dout = torch.zeros_like(out)
-    dq, dk, dv = _bwd(dout, q, k, v, out, lse, ctx.softmax_scale, *ctx.window, ctx.arch)
-    return dq, dk, dv, None, None, None, None
+def _backward_with(bwd):
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = bwd(dout, q, k, v, out, lse, ctx.softmax_scale, *ctx.window, ctx.arch)
+        return dq, dk, dv, None, None, None, None
 
+    return backward
 
-fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 _fwd = torch.ops.cutlass_flash.fwd.default
 _bwd = torch.ops.cutlass_flash.bwd.default
+fwd_op.register_autograd(_backward_with(_bwd), setup_context=_setup_context)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The ops' autograd, without the op dispatch: the eager path of flash_attn_func. Going
+    through the custom op costs ~60 us more per call with grad (`--overhead-only`, PERFLOG.md
+    entry 17); torch.compile and other tracing still see the ops."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, softmax_scale, window_left, window_right, arch):
+        out, lse = _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch)
+        _setup_context(ctx, (q, k, v, softmax_scale, window_left, window_right, arch), (out, lse))
+        return out, lse
+
+    backward = staticmethod(_backward_with(_bwd_impl))
+
+
+def _plain_eager(q, k, v):
+    """True when nothing traces the call: plain tensors, no dispatch mode, not compiling."""
+    return (
+        type(q) is torch.Tensor
+        and type(k) is torch.Tensor
+        and type(v) is torch.Tensor
+        and not torch.compiler.is_compiling()
+        and torch._C._len_torch_dispatch_stack() == 0
+    )
 
 
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False):
@@ -220,7 +260,13 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False)
     """
     _validate.check_inputs(q, k, v)
     scale = _validate.check_softmax_scale(softmax_scale, q.shape[3])
-    out, lse = _fwd(q, k, v, scale, -1, 0 if causal else -1, _dispatch._forced_arch)
+    args = (q, k, v, scale, -1, 0 if causal else -1, _dispatch._forced_arch)
+    if not _plain_eager(q, k, v):
+        out, lse = _fwd(*args)
+    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        out, lse = _EagerAttention.apply(*args)
+    else:
+        out, lse = _fwd_impl(*args)
     if return_lse:
         return out, lse
     return out

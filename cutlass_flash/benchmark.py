@@ -2,12 +2,14 @@
 
     python -m cutlass_flash.benchmark                      # FlashAttention-3 paper grid, bf16
     python -m cutlass_flash.benchmark --arch 80,90         # both kernel families, side by side
+    python -m cutlass_flash.benchmark --dtype bf16,fp16    # both dtypes in one run
     python -m cutlass_flash.benchmark --head-dims 128 --seqlens 4096 --causal true --modes fwd
     python -m cutlass_flash.benchmark --overhead-only      # per-call host overhead, tiny input
 
 Grid (FlashAttention-3 paper): head dims 64/128/256, seqlens 512..16384, batch * seqlen = 16384
 tokens, nheads * head_dim = 2048, causal and not. Times forward, backward and forward+backward
-with CUDA events (warm-up, then the median of up to --repeats runs); TFLOPS by FlashAttention's
+with CUDA events: after warm-up, --rounds rounds each time a batch of back-to-back calls of every
+implementation in turn, and the median over the rounds is reported; TFLOPS by FlashAttention's
 count: forward 4 * batch * nheads * seqlen_q * seqlen_k * head_dim (halved when causal), backward
 2.5x that, forward+backward 3.5x. Writes CSV, markdown and (with matplotlib) a PNG to --out.
 """
@@ -80,6 +82,14 @@ def _archs(text):
     return out
 
 
+def _dtypes(text):
+    out = [x.strip() for x in text.split(",") if x.strip()]
+    for x in out:
+        if x not in DTYPES:
+            raise argparse.ArgumentTypeError(f"--dtype: expected bf16, fp16 or bf16,fp16, got {x!r}")
+    return out
+
+
 def _impls(text):
     out = [x.strip() for x in text.split(",") if x.strip()]
     for x in out:
@@ -102,20 +112,21 @@ def parse_args(argv=None):
     p.add_argument("--causal", type=_causal, default=[False, True],
                    help="both (default), true or false")
     p.add_argument("--modes", type=_modes, default=list(MODES), help="some of fwd,bwd,fwdbwd")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--dtype", type=_dtypes, default=["bf16"],
+                   help="bf16 (default), fp16, or bf16,fp16 for both in one run")
     p.add_argument("--arch", type=_archs, default=[0],
                    help="our kernel family: auto (default), 80, 90, or 80,90 for both columns")
     p.add_argument("--impls", type=_impls, default=["ours", *SDPA_IMPLS],
                    help="default: ours,sdpa-flash,sdpa-cudnn,sdpa-efficient")
     p.add_argument("--total-tokens", type=int, default=16384, help="batch * seqlen (16384)")
     p.add_argument("--hidden", type=int, default=2048, help="nheads * head_dim (2048)")
-    p.add_argument("--repeats", type=int, default=50,
-                   help="at most this many timed runs per measurement (median reported)")
-    p.add_argument("--min-repeats", type=int, default=5, help="at least this many timed runs")
-    p.add_argument("--warmup", type=int, default=3, help="untimed runs first")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="timed rounds per config; each times a batch of calls of every "
+                        "implementation in turn (median over rounds reported)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls first")
     p.add_argument("--budget-ms", type=float, default=200.0,
-                   help="aim for about this much timed GPU time per measurement (fewer runs for "
-                        "slow configs, between --min-repeats and --repeats)")
+                   help="about this much timed GPU time per implementation and config, split "
+                        "over the rounds")
     p.add_argument("--check", action="store_true",
                    help="also compare our output with SDPA's for each config (max abs diff)")
     p.add_argument("--out", default=os.path.join("benchmarks", "results"),
@@ -196,7 +207,7 @@ def _sync():
 
 
 def time_gpu(fn, warmup=3, repeats=30, min_repeats=5, budget_ms=100.0):
-    """Median milliseconds of fn() by CUDA events, after warm-up."""
+    """Median milliseconds of fn() by CUDA events around each call, after warm-up."""
     for _ in range(warmup):
         fn()
     _sync()
@@ -215,6 +226,43 @@ def time_gpu(fn, warmup=3, repeats=30, min_repeats=5, budget_ms=100.0):
         e.record()
     _sync()
     return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def _batch_ms(fn, context, n):
+    """Milliseconds per call of n back-to-back calls of fn between two CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with context(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+    _sync()
+    return start.elapsed_time(end) / n
+
+
+def time_interleaved(fns, warmup=3, rounds=5, budget_ms=200.0, max_batch=1000):
+    """Milliseconds per call of each of {label: (fn, context)}, measured side by side.
+
+    After `warmup` calls each, `rounds` rounds time a batch of back-to-back calls of every
+    implementation in turn (about budget_ms / rounds of GPU time per batch); the median over the
+    rounds is reported. Interleaving puts every implementation at the same point of the GPU's
+    clock and power history: under sustained attention load the lent H200 sits at its 700 W cap
+    and its clock wanders between 1.4 and 1.95 GHz, so the implementation timed first after an
+    idle gap read up to 10% faster than the same code timed later (PERFLOG.md, entry 17).
+    A batch is timed between two events rather than each call, because per-call events add the
+    host's launch latency to every call whenever the host is the slower side (short problems).
+    """
+    batch = {}
+    for label, (fn, context) in fns.items():
+        for _ in range(warmup):
+            _batch_ms(fn, context, 1)
+        batch[label] = max(1, min(max_batch, int(budget_ms / rounds / max(_batch_ms(fn, context, 1), 1e-3))))
+    times = {label: [] for label in fns}
+    for _ in range(rounds):
+        for label, (fn, context) in fns.items():
+            times[label].append(_batch_ms(fn, context, batch[label]))
+    return {label: statistics.median(t) for label, t in times.items()}
 
 
 def attention_flops(batch, nheads, seqlen_q, seqlen_k, head_dim, causal, mode):
@@ -293,72 +341,77 @@ def _short(e):
 # The grid
 
 
-def _measure(fwd, modes, q, k, v, dout, args):
-    """{mode: (ms, status)} for one implementation on one config; status '' when it ran."""
-    try:
-        fwd(q, k, v)  # can it run this config at all?
-    except Exception as e:
-        return {mode: (float("nan"), _short(e)) for mode in modes}
-    out = {}
-    for mode in modes:
+def _prepare(impls, causal, mode, q, k, v, dout):
+    """{label: (fn, context)} of the implementations that run this config, and {label: status}
+    of those that do not."""
+    ready, failed = {}, {}
+    for label, factory, context in impls:
+        fwd = factory(causal)
         try:
-            fn = _mode_fn(mode, fwd, q, k, v, dout)
-            out[mode] = (time_gpu(fn, args.warmup, args.repeats, args.min_repeats,
-                                  args.budget_ms), "")
-            del fn
+            with context(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                fn = _mode_fn(mode, fwd, q, k, v, dout)
+                fn()  # can it run this config at all?
+            ready[label] = (fn, context)
         except Exception as e:
-            out[mode] = (float("nan"), _short(e))
+            failed[label] = _short(e)
             torch.cuda.empty_cache()
-    return out
+    return ready, failed
 
 
 def run_grid(args):
-    dtype = DTYPES[args.dtype]
     impls = implementations(args)
     labels = [label for label, _, _ in impls]
     rows = []
-    configs = [(hd, seqlen, causal) for hd in args.head_dims for seqlen in args.seqlens
-               for causal in args.causal]
+    configs = [(dt, hd, seqlen, causal) for dt in args.dtype for hd in args.head_dims
+               for seqlen in args.seqlens for causal in args.causal]
     t_start = time.perf_counter()
-    for i, (hd, seqlen, causal) in enumerate(configs, 1):
+    for i, (dt, hd, seqlen, causal) in enumerate(configs, 1):
         nheads = max(1, args.hidden // hd)
         batch = max(1, args.total_tokens // seqlen)
         g = torch.Generator(device="cuda").manual_seed(seqlen * 1000 + hd)
         shape = (batch, seqlen, nheads, hd)
-        q, k, v = (torch.randn(shape, device="cuda", dtype=dtype, generator=g).requires_grad_()
-                   for _ in range(3))
-        dout = torch.randn(shape, device="cuda", dtype=dtype, generator=g)
-        print(f"[{i}/{len(configs)}] head_dim={hd} seqlen={seqlen} batch={batch} "
+        q, k, v = (torch.randn(shape, device="cuda", dtype=DTYPES[dt], generator=g)
+                   .requires_grad_() for _ in range(3))
+        dout = torch.randn(shape, device="cuda", dtype=DTYPES[dt], generator=g)
+        print(f"[{i}/{len(configs)}] {dt} head_dim={hd} seqlen={seqlen} batch={batch} "
               f"nheads={nheads} causal={int(causal)}", flush=True)
-        results, outputs = {}, {}
-        for label, factory, context in impls:
-            fwd = factory(causal)
-            with context(), warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                results[label] = _measure(fwd, args.modes, q, k, v, dout, args)
-                if args.check and not results[label][args.modes[0]][1]:
-                    with torch.no_grad():
-                        outputs[label] = fwd(q, k, v).float()
         for mode in args.modes:
+            ready, failed = _prepare(impls, causal, mode, q, k, v, dout)
+            times = time_interleaved(ready, args.warmup, args.rounds, args.budget_ms)
+            del ready
             flops = attention_flops(batch, nheads, seqlen, seqlen, hd, causal, mode)
             cells = []
             for label in labels:
-                ms, status = results[label][mode]
+                ms = times.get(label, float("nan"))
                 tflops = flops / (ms * 1e-3) / 1e12 if ms == ms else float("nan")
-                rows.append(dict(dtype=args.dtype, head_dim=hd, seqlen=seqlen, batch=batch,
+                rows.append(dict(dtype=dt, head_dim=hd, seqlen=seqlen, batch=batch,
                                  nheads=nheads, causal=int(causal), mode=mode, impl=label,
-                                 ms=ms, tflops=tflops, status=status))
+                                 ms=ms, tflops=tflops, status=failed.get(label, "")))
                 cells.append(f"{label} {_fmt(tflops)}")
             print(f"    {mode:7s} TFLOPS: " + " | ".join(cells), flush=True)
-        if len(outputs) > 1:
-            base_label, base = next(iter(outputs.items()))
-            print("    max|out - " + base_label + "|: " + ", ".join(
-                f"{lb} {(o - base).abs().max().item():.3g}"
-                for lb, o in outputs.items() if lb != base_label), flush=True)
-        del q, k, v, dout, outputs
+        if args.check:
+            _print_check(impls, causal, q, k, v)
+        del q, k, v, dout
         torch.cuda.empty_cache()
     print(f"grid done in {time.perf_counter() - t_start:.0f} s", flush=True)
     return rows, labels
+
+
+def _print_check(impls, causal, q, k, v):
+    outputs = {}
+    for label, factory, context in impls:
+        try:
+            with context(), warnings.catch_warnings(), torch.no_grad():
+                warnings.simplefilter("ignore")
+                outputs[label] = factory(causal)(q, k, v).float()
+        except Exception:
+            pass
+    if len(outputs) > 1:
+        base_label, base = next(iter(outputs.items()))
+        print("    max|out - " + base_label + "|: " + ", ".join(
+            f"{lb} {(o - base).abs().max().item():.3g}"
+            for lb, o in outputs.items() if lb != base_label), flush=True)
 
 
 def _fmt(x, digits=1):
@@ -383,17 +436,20 @@ def markdown(rows, labels, env, args):
     lines = ["# cutlass_flash benchmark", ""]
     lines += [f"- {k}: {v}" for k, v in env.items()]
     lines += [
-        f"- dtype {args.dtype}; batch * seqlen = {args.total_tokens} tokens, "
-        f"nheads * head_dim = {args.hidden}; TFLOPS (FlashAttention's count); median of up to "
-        f"{args.repeats} runs (CUDA events)",
+        f"- dtype {', '.join(args.dtype)}; batch * seqlen = {args.total_tokens} tokens, "
+        f"nheads * head_dim = {args.hidden}; TFLOPS (FlashAttention's count); median of "
+        f"{args.rounds} rounds, each timing a batch of back-to-back calls of every "
+        f"implementation in turn (CUDA events, about {args.budget_ms:g} ms per implementation "
+        f"and config)",
         "",
     ]
     ours = [lb for lb in labels if lb.startswith("ours")]
     refs = [r for r in ("sdpa-flash", "sdpa-cudnn") if r in labels]
     ratio_cols = [(o, r) for o in ours for r in refs]
-    index = {(r["mode"], r["head_dim"], r["seqlen"], r["causal"], r["impl"]): r for r in rows}
-    for mode in args.modes:
-        lines += [f"## {mode}", ""]
+    index = {(r["dtype"], r["mode"], r["head_dim"], r["seqlen"], r["causal"], r["impl"]): r
+             for r in rows}
+    for dt, mode in [(dt, mode) for dt in args.dtype for mode in args.modes]:
+        lines += [f"## {dt} {mode}", ""]
         header = ["head_dim", "seqlen", "batch x nheads", "causal"] + labels + [
             f"{o} / {SDPA_LABEL[r]}" for o, r in ratio_cols
         ]
@@ -402,7 +458,7 @@ def markdown(rows, labels, env, args):
         for hd in args.head_dims:
             for seqlen in args.seqlens:
                 for causal in args.causal:
-                    key = (mode, hd, seqlen, int(causal))
+                    key = (dt, mode, hd, seqlen, int(causal))
                     cells = [index.get(key + (lb,)) for lb in labels]
                     if all(c is None for c in cells):
                         continue
@@ -433,16 +489,17 @@ def plot(path, rows, labels, args):
     except ImportError:
         print("matplotlib is not installed: no plot (pip install matplotlib)")
         return False
-    nr, nc = len(args.modes), len(args.head_dims)
+    panels = [(dt, mode) for dt in args.dtype for mode in args.modes]
+    nr, nc = len(panels), len(args.head_dims)
     fig, axes = plt.subplots(nr, nc, figsize=(4.5 * nc, 3.6 * nr), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, mode in enumerate(args.modes):
+    for i, (dt, mode) in enumerate(panels):
         for j, hd in enumerate(args.head_dims):
             ax = axes[i][j]
             for c, label in enumerate(labels):
                 for causal in args.causal:
                     pts = sorted((r["seqlen"], r["tflops"]) for r in rows
-                                 if r["mode"] == mode and r["head_dim"] == hd
+                                 if r["dtype"] == dt and r["mode"] == mode and r["head_dim"] == hd
                                  and r["impl"] == label and r["causal"] == int(causal)
                                  and r["tflops"] == r["tflops"])
                     if not pts:
@@ -451,7 +508,7 @@ def plot(path, rows, labels, args):
                             color=colors[c % len(colors)], linestyle="--" if causal else "-",
                             label=f"{label}{' causal' if causal else ''}")
             ax.set_xscale("log", base=2)
-            ax.set_title(f"{mode}, head_dim {hd}, {args.dtype}")
+            ax.set_title(f"{mode}, head_dim {hd}, {dt}")
             ax.set_xlabel("seqlen")
             ax.set_ylabel("TFLOPS")
             ax.grid(True, alpha=0.3)
@@ -470,7 +527,7 @@ def plot(path, rows, labels, args):
 
 def run_overhead(args):
     """Host time per call on a tiny (1, 128, 1, 64) input, ours vs SDPA FLASH_ATTENTION."""
-    dtype = DTYPES[args.dtype]
+    dtype = DTYPES[args.dtype[0]]
     shape = (1, 128, 1, 64)
     q, k, v = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(3))
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
@@ -478,7 +535,7 @@ def run_overhead(args):
     impls = [i for i in implementations(args) if i[0].startswith("ours")]
     impls.append(("sdpa-flash", lambda causal: _sdpa("sdpa-flash", causal), contextlib.nullcontext))
     rows = []
-    print(f"per-call overhead, input {shape} {args.dtype}, {args.calls} calls:")
+    print(f"per-call overhead, input {shape} {args.dtype[0]}, {args.calls} calls:")
     for label, factory, context in impls:
         fwd = factory(False)
         cases = {
@@ -519,7 +576,7 @@ def overhead_markdown(rows, args):
     lines = [
         "## Per-call overhead",
         "",
-        f"Input (1, 128, 1, 64) {args.dtype}; host = wall-clock time per call of the Python loop "
+        f"Input (1, 128, 1, 64) {args.dtype[0]}; host = wall-clock time per call of the Python loop "
         f"({args.calls} calls, no synchronisation), wall = including the final synchronisation, "
         f"events = CUDA-event time per call (median).",
         "",
@@ -549,7 +606,7 @@ def main(argv=None):
         print(f"{key:22s} {val}")
     print(flush=True)
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"bench-{args.dtype}" + (f"-{args.tag}" if args.tag else ""))
+    stem = os.path.join(args.out, f"bench-{'-'.join(args.dtype)}" + (f"-{args.tag}" if args.tag else ""))
     md = ""
     if not args.overhead_only:
         rows, labels = run_grid(args)

@@ -220,3 +220,25 @@ def test_misaligned_grad_is_copied(fake_backend):
     ref = reference_outputs(q, k, v, dout, dtype=torch.float64)
     for a, b in zip((dq, dk, dv), ref[2:]):
         torch.testing.assert_close(a.double(), b, atol=2e-2, rtol=2e-2)
+
+
+def test_eager_path_matches_the_op(fake_backend):
+    # Plain eager calls skip the op dispatch (an autograd.Function over the same implementation);
+    # results, gradients and kernel calls must be those of the op.
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 17, 4, 64, generator=g).to(torch.bfloat16).requires_grad_()
+               for _ in range(3))
+    dout = torch.randn(2, 17, 4, 64, generator=g).to(torch.bfloat16)
+    fake_backend.calls.clear()
+    out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    assert type(out.grad_fn).__name__ == "_EagerAttentionBackward"
+    assert not lse.requires_grad
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert fake_backend.archs_called() == [90, 80]
+    out_op, lse_op = torch.ops.cutlass_flash.fwd(q, k, v, 64 ** -0.5, -1, 0, 0)
+    grads_op = torch.autograd.grad(out_op, (q, k, v), dout)
+    for a, b in zip((out, lse, *grads), (out_op, lse_op, *grads_op)):
+        assert torch.equal(a, b)
+    with torch.no_grad():
+        out_ng = flash_attn_func(q, k, v, causal=True)
+    assert out_ng.grad_fn is None and torch.equal(out_ng, out)
