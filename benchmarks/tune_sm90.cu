@@ -8,7 +8,8 @@
 //        benchmarks/tune_sm90.cu -o tune128 && ./tune128
 //
 // -DTUNE_FP16 times fp16 instead. Environment: TUNE_SEQLENS (comma list, default 1024,2048,4096,8192),
-// TUNE_CAUSAL (0 or 1; both when unset), TUNE_ITERS (timed launches, default 20).
+// TUNE_CAUSAL (0 or 1; both when unset), TUNE_ITERS (timed launches, default 20), TUNE_GROUPS
+// (comma list of causal tile-group sizes to time with the first configuration; 0 = computed).
 //
 // The chosen shapes live in csrc/kernels/sm90/tile_config.h; results go to PERFLOG.md.
 #define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
@@ -70,14 +71,15 @@ struct Buffers {
   Element *q, *k, *v, *o, *ref;
   float* lse;
   unsigned* diff;
+  void* workspace;
 };
 
 template <int kBlockM, int kBlockN, int kStages>
-void run_config(const Buffers& b, FwdParams params, size_t o_elems, bool first) {
+void run_config(const Buffers& b, FwdParams params, size_t o_elems, bool first, int group = 0) {
   using Traits = sm90::FwdTraits<TUNE_HEAD_DIM, kBlockM, kBlockN, kStages, Element>;
   const AttnProblem& p = params.problem;
   cudaMemset(b.o, 0xff, o_elems * sizeof(Element));  // NaN: unwritten elements show
-  Status s = sm90::run_fwd_traits<Traits>(params, nullptr);
+  Status s = sm90::run_fwd_traits<Traits>(params, nullptr, group);
   if (!s.ok()) { std::printf("  %dx%dx%d: %s\n", kBlockM, kBlockN, kStages, s.message.c_str()); return; }
   if (first) cudaMemcpy(b.ref, b.o, o_elems * sizeof(Element), cudaMemcpyDeviceToDevice);
   cudaMemset(b.diff, 0, sizeof(unsigned));
@@ -86,18 +88,19 @@ void run_config(const Buffers& b, FwdParams params, size_t o_elems, bool first) 
   cudaMemcpy(&diff_bits, b.diff, sizeof(unsigned), cudaMemcpyDeviceToHost);
   float diff;
   std::memcpy(&diff, &diff_bits, sizeof(float));
-  for (int i = 0; i < 3; ++i) sm90::run_fwd_traits<Traits>(params, nullptr);
+  for (int i = 0; i < 3; ++i) sm90::run_fwd_traits<Traits>(params, nullptr, group);
   cudaEvent_t e0, e1;
   cudaEventCreate(&e0);
   cudaEventCreate(&e1);
   const int kIters = env_int("TUNE_ITERS", 20);
   cudaEventRecord(e0);
-  for (int i = 0; i < kIters; ++i) sm90::run_fwd_traits<Traits>(params, nullptr);
+  for (int i = 0; i < kIters; ++i) sm90::run_fwd_traits<Traits>(params, nullptr, group);
   cudaEventRecord(e1);
   cudaEventSynchronize(e1);
   float ms = 0.f;
   cudaEventElapsedTime(&ms, e0, e1);
   const double flops = 4.0 * p.batch * p.nheads * double(p.seqlen_q) * p.seqlen_k * p.head_dim / (p.is_causal() ? 2 : 1);
+  if (group) std::printf("  group %3d", group);
   std::printf("  %3dx%3dx%d  smem %3d KiB%s  %6.1f TFLOPS  max|O - O_first| %.3g  %s\n", kBlockM, kBlockN, kStages,
               Traits::kSmemBytes / 1024, Traits::kOAliasesQ ? " (O over Q)" : "           ",
               flops / (ms / kIters * 1e-3) / 1e12, diff, cudaGetErrorString(cudaGetLastError()));
@@ -116,10 +119,12 @@ int main() {
   cudaMalloc(&b.ref, elems * sizeof(Element));
   cudaMalloc(&b.lse, size_t(tokens) * nheads * sizeof(float));
   cudaMalloc(&b.diff, sizeof(unsigned));
+  cudaMalloc(&b.workspace, 256);
   fill_random<<<1024, 256>>>(b.q, elems, 1);
   fill_random<<<1024, 256>>>(b.k, elems, 2);
   fill_random<<<1024, 256>>>(b.v, elems, 3);
   const int causal_only = env_int("TUNE_CAUSAL", -1);
+  const std::vector<int> groups = env_ints("TUNE_GROUPS", {});
   for (int seqlen : env_ints("TUNE_SEQLENS", {1024, 2048, 4096, 8192})) {
     for (bool causal : {false, true}) {
       if (causal_only >= 0 && int(causal) != causal_only) continue;
@@ -141,7 +146,14 @@ int main() {
       params.v = ref(b.v);
       params.o = ref(b.o);
       params.lse = b.lse;
+      params.workspace = b.workspace;
       std::printf("d=%d seqlen=%d batch=%d nheads=%d causal=%d\n", d, seqlen, p.batch, nheads, int(causal));
+      if (causal && !groups.empty()) {
+        constexpr sm90::FwdTile kTile = sm90::fwd_tile(TUNE_HEAD_DIM);
+        for (size_t i = 0; i < groups.size(); ++i)
+          run_config<kTile.block_m, kTile.block_n, kTile.stages>(b, params, elems, i == 0, groups[i]);
+        continue;
+      }
 #if TUNE_HEAD_DIM == 64
       run_config<192, 128, 2>(b, params, elems, true);
       run_config<128, 128, 2>(b, params, elems, false);

@@ -96,7 +96,7 @@ void run_without_gil(F&& call) {
 }
 
 void fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, uintptr_t lse,
-         int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_kv, int head_dim,
+         uintptr_t workspace, int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_kv, int head_dim,
          float softmax_scale, int window_left, int window_right, const std::string& dtype, int arch,
          uintptr_t stream) {
   FwdParams params;
@@ -104,6 +104,7 @@ void fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, uin
              problem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, softmax_scale,
                      window_left, window_right, dtype));
   params.lse = reinterpret_cast<float*>(lse);
+  params.workspace = reinterpret_cast<void*>(workspace);
   run_without_gil([&] { return run_fwd(params, arch, as_stream(stream)); });
 }
 
@@ -125,13 +126,15 @@ void bwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, con
   run_without_gil([&] { return run_bwd(params, arch, as_stream(stream)); });
 }
 
+// Scratch bytes of a direction's call, after the problem checks that call would make.
+template <Direction kDir>
 size_t workspace_bytes(int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_kv,
                        int head_dim, float softmax_scale, int window_left, int window_right,
                        const std::string& dtype, int arch) {
   const AttnProblem p = problem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim,
                                 softmax_scale, window_left, window_right, dtype);
-  check(dispatch::check_problem(p, arch, Direction::kBackward));
-  return bwd_workspace_bytes(p, arch);
+  check(dispatch::check_problem(p, arch, kDir));
+  return kDir == Direction::kForward ? fwd_workspace_bytes(p, arch) : bwd_workspace_bytes(p, arch);
 }
 
 py::list built() {
@@ -161,17 +164,22 @@ PYBIND11_MODULE(_C, m) {
       py::arg("window_left"), py::arg("window_right"), py::arg("dtype")
 
   m.def("fwd", &fwd, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"), py::arg("lse_ptr"),
-        py::kw_only(), CUTLASS_FLASH_PROBLEM_ARGS, py::arg("arch"), py::arg("stream"),
+        py::arg("workspace_ptr"), py::kw_only(), CUTLASS_FLASH_PROBLEM_ARGS, py::arg("arch"),
+        py::arg("stream"),
         "Forward pass. q/k/v/o: (ptr, batch_stride, row_stride, head_stride) in elements, the "
-        "last dim contiguous; lse_ptr: float32 (batch, nheads, seqlen_q), contiguous; dtype: "
-        "'fp16' | 'bf16'; arch: kernel family (80); stream: cudaStream_t as an int. Asynchronous.");
+        "last dim contiguous; lse_ptr: float32 (batch, nheads, seqlen_q), contiguous; "
+        "workspace_ptr: fwd_workspace_bytes(...) bytes, 16-byte aligned (0 when that is 0); "
+        "dtype: 'fp16' | 'bf16'; arch: kernel family (80, 90); stream: cudaStream_t as an int. "
+        "Asynchronous.");
   m.def("bwd", &bwd, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"), py::arg("dout"),
         py::arg("lse_ptr"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("workspace_ptr"),
         py::kw_only(), CUTLASS_FLASH_PROBLEM_ARGS, py::arg("arch"), py::arg("stream"),
         "Backward pass. dk/dv are per query head (batch, seqlen_k, nheads, head_dim); "
         "workspace_ptr: bwd_workspace_bytes(...) bytes, 256-byte aligned, need not be zeroed.");
-  m.def("bwd_workspace_bytes", &workspace_bytes, py::kw_only(), CUTLASS_FLASH_PROBLEM_ARGS,
-        py::arg("arch"), "Scratch bytes bwd needs for this problem.");
+  m.def("fwd_workspace_bytes", &workspace_bytes<Direction::kForward>, py::kw_only(),
+        CUTLASS_FLASH_PROBLEM_ARGS, py::arg("arch"), "Scratch bytes fwd needs for this problem.");
+  m.def("bwd_workspace_bytes", &workspace_bytes<Direction::kBackward>, py::kw_only(),
+        CUTLASS_FLASH_PROBLEM_ARGS, py::arg("arch"), "Scratch bytes bwd needs for this problem.");
 #undef CUTLASS_FLASH_PROBLEM_ARGS
   m.def("built_kernels", &built,
         "The instantiations of this build: [(arch, 'fwd'|'bwd', head_dim, 'fp16'|'bf16')].");

@@ -64,6 +64,9 @@ def _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch):
     q, k, v = _pad(q, pad), _pad(k, pad), _pad(v, pad)
     out = torch.empty((batch, seqlen_q, nheads, padded), dtype=q.dtype, device=device)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=device)
+    problem = _problem(q, k, padded, softmax_scale, window_left, window_right, dtype_name)
+    workspace_bytes = C.fwd_workspace_bytes(**problem, arch=arch)
+    workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device) if workspace_bytes else None
     _dispatch.launch(
         C.fwd,
         device,
@@ -72,7 +75,8 @@ def _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch):
         _ref4(v),
         _ref4(out),
         lse.data_ptr(),
-        **_problem(q, k, padded, softmax_scale, window_left, window_right, dtype_name),
+        workspace.data_ptr() if workspace is not None else 0,
+        **problem,
         arch=arch,
         stream=_dispatch.current_stream(device),
     )

@@ -69,8 +69,14 @@ class FakeC:
         rows = p["batch"] * p["nheads"] * ((p["seqlen_q"] + 127) // 128 * 128)
         return rows * (p["head_dim"] + 1) * 4
 
-    def fwd(self, q, k, v, o, lse_ptr, **kw):
+    def fwd_workspace_bytes(self, **kw):
+        p = self._problem("fwd", kw, check_built=False)
+        return 16 if p["arch"] == 90 else 0
+
+    def fwd(self, q, k, v, o, lse_ptr, workspace_ptr, **kw):
         p = self._problem("fwd", kw)
+        if p["arch"] == 90:
+            assert workspace_ptr % 16 == 0 and workspace_ptr != 0, "workspace must be aligned"
         dtype = DTYPES[p["dtype"]]
         Q, K, V, Out = self._tensors(p, dtype, q=q, k=k, v=v, o=o)
         assert lse_ptr % 16 == 0

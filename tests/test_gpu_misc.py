@@ -79,7 +79,10 @@ def test_binding_writes_every_element(case):
     lse = torch.full((B, H, Sq), nan, dtype=torch.float32, device="cuda")
     problem = _ops._problem(q, k, D, 1 / math.sqrt(D), -1, 0 if case.causal else -1, case.dtype)
     stream = torch.cuda.current_stream().cuda_stream
+    fwd_workspace = torch.full((C.fwd_workspace_bytes(**problem, arch=case.arch),), 0xFF,
+                               dtype=torch.uint8, device="cuda")  # not zeroed: the launch does
     C.fwd(_ops._ref4(q), _ops._ref4(k), _ops._ref4(v), _ops._ref4(out), lse.data_ptr(),
+          fwd_workspace.data_ptr() if fwd_workspace.numel() else 0,
           **problem, arch=case.arch, stream=stream)
     # The sm90 family has no backward: the op runs sm80's after an sm90 forward, and so does this.
     bwd_arch = (case.arch if "bwd" in _dispatch.FAMILY_DIRECTIONS[case.arch]
@@ -106,6 +109,19 @@ def test_binding_writes_every_element(case):
     with cutlass_flash.force_arch(case.arch):
         out_api, lse_api = flash_attn_func(q, k, v, causal=case.causal, return_lse=True)
     assert torch.equal(out_api, out) and torch.equal(lse_api, lse)
+
+
+def test_sm90_forward_rejects_a_missing_workspace():
+    case = Case(1, 64, 64, 2, 2, 64, "bf16", False, 90)
+    skip_if_not_built(case)
+    C = _dispatch.lib()
+    q, k, v = (t.detach().contiguous() for t in make_inputs(case, "cuda"))
+    out = torch.empty_like(q)
+    lse = torch.empty((1, 2, 64), dtype=torch.float32, device="cuda")
+    problem = _ops._problem(q, k, 64, 0.125, -1, -1, case.dtype)
+    with pytest.raises(ValueError, match="workspace is a null pointer"):
+        C.fwd(_ops._ref4(q), _ops._ref4(k), _ops._ref4(v), _ops._ref4(out), lse.data_ptr(), 0,
+              **problem, arch=90, stream=torch.cuda.current_stream().cuda_stream)
 
 
 # -- determinism ----------------------------------------------------------------------------------

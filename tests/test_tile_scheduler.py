@@ -12,6 +12,7 @@ CSRC = Path(__file__).resolve().parents[1] / "csrc"
 
 PROGRAM = r"""
 #include "kernels/common/tile_scheduler.h"
+#include <algorithm>
 #include <cstdio>
 #include <vector>
 using namespace cutlass_flash;
@@ -22,11 +23,13 @@ int main() {
     for (int nheads : {1, 5, 16})
       for (int batch : {1, 2, 7})
         for (bool causal : {false, true})
-          for (int64_t kv_bytes : {int64_t(1), int64_t(3) << 20, int64_t(40) << 20, int64_t(1) << 40}) {
+          for (int group : {0, 1, 4, 100}) {  // 0: the launcher's choice
             const int pairs = nheads * batch;
-            const int grid = PersistentTileScheduler::grid_size(num_blocks * pairs, 132);
-            const int group = PersistentTileScheduler::group_size(int64_t(30) << 20, kv_bytes, pairs, num_blocks, grid);
-            if (group < 1 || group > pairs) ++errors;
+            if (group == 0) {
+              group = PersistentTileScheduler::group_size(pairs);
+              if (group < 1 || group > pairs) ++errors;
+            }
+            if (PersistentTileScheduler::grid_size(num_blocks * pairs, 132) != std::min(num_blocks * pairs, 132)) ++errors;
             const PersistentTileScheduler s(num_blocks, nheads, batch, causal, group);
             std::vector<int> seen(s.num_tiles, 0);
             int prev_group = 0, prev_block = num_blocks;

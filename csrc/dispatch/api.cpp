@@ -234,6 +234,8 @@ Status run_fwd(const FwdParams& params, int arch, cudaStream_t stream) {
         dispatch::check_tensor(dir, "v", params.v, p, p.seqlen_k, p.nheads_kv),
         dispatch::check_tensor(dir, "o", params.o, p, p.seqlen_q, p.nheads),
         dispatch::check_scalar_ptr(dir, "lse", params.lse, alignof(float)),
+        fwd_workspace_bytes(p, arch) == 0 ? Status::Ok()
+                                          : dispatch::check_scalar_ptr(dir, "workspace", params.workspace, 16),
     };
   }, &dispatch::Entry::fwd);
 }
@@ -255,6 +257,10 @@ Status run_bwd(const BwdParams& params, int arch, cudaStream_t stream) {
         dispatch::check_scalar_ptr(dir, "workspace", params.workspace, 256),
     };
   }, &dispatch::Entry::bwd);
+}
+
+size_t fwd_workspace_bytes(const AttnProblem&, int arch) {
+  return arch == 90 ? 16 : 0;  // one int: the persistent kernel's tile counter
 }
 
 size_t bwd_workspace_bytes(const AttnProblem& problem, int arch) {

@@ -29,6 +29,9 @@ struct Status {
   static Status Ok() { return {}; }
 };
 
+// Scratch bytes the forward needs (the sm90 family's tile counter; none for sm80).
+size_t fwd_workspace_bytes(const AttnProblem& problem, int arch);
+
 // Runs the forward pass with the kernel family `arch`. Asynchronous on `stream`.
 Status run_fwd(const FwdParams& params, int arch, cudaStream_t stream);
 

@@ -49,6 +49,9 @@ struct FwdParams {
   TensorRef4 q, k, v;   // inputs
   TensorRef4 o;         // output, same dtype as q
   float* lse = nullptr; // output, contiguous (batch, nheads, seqlen_q), natural log
+  // Scratch, at least fwd_workspace_bytes(problem, arch) bytes (may be null when that is 0),
+  // 16-byte aligned; need not be zeroed (the sm90 tile counter is zeroed on the stream).
+  void* workspace = nullptr;
 };
 
 struct BwdParams {

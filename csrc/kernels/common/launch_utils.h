@@ -36,7 +36,7 @@ Status ensure_smem_limit(int smem_bytes) {
 inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 // An attribute of the current device, queried once per device (persistent grids size themselves
-// by the multiprocessor count and order their tiles by the L2 size on every call).
+// by the multiprocessor count on every call).
 template <cudaDeviceAttr kAttr>
 Status device_attribute(int& value, const char* what) {
   constexpr int kMaxDevices = 64;
@@ -51,10 +51,6 @@ Status device_attribute(int& value, const char* what) {
 
 inline Status multiprocessor_count(int& count) {
   return device_attribute<cudaDevAttrMultiProcessorCount>(count, "cudaDeviceGetAttribute(MultiProcessorCount)");
-}
-
-inline Status l2_cache_bytes(int& bytes) {
-  return device_attribute<cudaDevAttrL2CacheSize>(bytes, "cudaDeviceGetAttribute(L2CacheSize)");
 }
 
 }  // namespace cutlass_flash

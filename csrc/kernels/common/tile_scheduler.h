@@ -25,9 +25,10 @@ struct GridTileScheduler {
   }
 };
 
-// A persistent grid (one block per SM) walking the tiles in rounds of gridDim.x tiles: in round r
-// block b takes tile r * gridDim.x + b. Every warp of a block computes the same sequence, so the
-// producer and the consumers need no communication to agree on the next tile.
+// The tile order of a persistent grid (one block per SM): tile index -> (query block, head,
+// batch). Blocks take indices in increasing order as they finish tiles (sm90/tile_scheduler.h
+// hands them out through a global counter), so the tiles in flight at any time are a window of
+// about gridDim.x consecutive indices.
 //
 // Without a causal mask every tile costs the same, and query blocks are the fastest index, so the
 // blocks running at one time share a head's K and V in L2 (at 8k tokens and d = 128, 132 blocks
@@ -35,14 +36,12 @@ struct GridTileScheduler {
 //
 // With a causal mask (`longest_first`) query block m costs m + 1 key blocks. Tiles then go in
 // order of decreasing m with heads and batches inner, so the short tiles fill the tail, within
-// groups of `group` (head, batch) pairs whose K and V fit in about half the L2: with every head
-// inner, the 132 blocks of a round all read different heads (at 2k tokens and d = 128: 128
-// heads, 128 MiB of K/V against 60 MiB of L2) and K/V came from DRAM at every tile (PERFLOG.md,
-// entry 14). Odd rounds are walked backwards (block b takes the round's tile gridDim.x - 1 - b):
-// a block that got one of the longest tiles of a round gets one of the shortest of the next. A
-// plain stride gave block b the same m again and again whenever gridDim.x is close to a multiple
-// of the number of query blocks: 132 = 22 x 6 at 1k tokens and d = 64, 132 = 128 + 4 at 16k and
-// d = 128, measured at 46% and 70% of the non-causal rate (PERFLOG.md, entry 8).
+// groups of `group` (head, batch) pairs. With every pair inner, the blocks in flight all read
+// different heads (at 2k tokens and d = 128: 128 heads, 128 MiB of K/V against 60 MiB of L2) and
+// K/V came from DRAM (PERFLOG.md, entry 14); with one to four pairs, a hundred blocks read the
+// same K/V blocks at the same moment. kCausalGroup pairs measured within 3% of the best group
+// size at d = 128 and 256, 1k to 16k tokens, where group sizes fitted to a quarter of the L2
+// lost up to 16% and all pairs 18% (PERFLOG.md, entry 18).
 struct PersistentTileScheduler {
   int num_blocks;  // query blocks per (head, batch)
   int nheads;
@@ -55,25 +54,14 @@ struct PersistentTileScheduler {
       : num_blocks(num_blocks_), nheads(nheads_), num_tiles(num_blocks_ * nheads_ * batch),
         longest_first(longest_first_), group(group_) {}
 
-  // Pairs whose K and V (kv_bytes each) fit in `budget_bytes`, but enough for 4 rounds of `grid`
-  // tiles: the odd-round reversal balances blocks only while a round and the next stay in one
-  // group (one head per group at d = 256 and 16k tokens ran at 475 TFLOPS against 717 with all
-  // heads inner).
-  static int group_size(int64_t budget_bytes, int64_t kv_bytes, int head_batch_count, int num_blocks, int grid) {
-    int64_t g = kv_bytes > 0 ? budget_bytes / kv_bytes : head_batch_count;
-    const int64_t min_g = (4 * int64_t(grid) + num_blocks - 1) / num_blocks;
-    if (g < min_g) g = min_g;
-    return g < 1 ? 1 : g > head_batch_count ? head_batch_count : int(g);
+  static constexpr int kCausalGroup = 16;
+
+  // The group for `head_batch_count` pairs: kCausalGroup, or all of them when fewer.
+  static int group_size(int head_batch_count) {
+    return head_batch_count < kCausalGroup ? head_batch_count : kCausalGroup;
   }
 
   static int grid_size(int num_tiles, int num_sms) { return num_tiles < num_sms ? num_tiles : num_sms; }
-
-  // The tile this block takes in round `round` (>= num_tiles: the block is done).
-  __device__ int tile(int round) const {
-    const int g = int(gridDim.x), b = int(blockIdx.x);
-    return round * g + (longest_first && (round & 1) ? g - 1 - b : b);
-  }
-  __device__ bool valid(int tile) const { return tile < num_tiles; }
 
   __host__ __device__ TileCoord coord(int tile) const {
     if (longest_first) {

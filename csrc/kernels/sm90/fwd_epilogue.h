@@ -108,6 +108,18 @@ struct FwdEpilogue {
     for (int row = tid; row < kBlockM && row < rows_left; row += Traits::kNMmaThreads) out[row] = INFINITY;
   }
 
+  // Frees Q after a tile without keys, with the arrivals a tile with keys makes: every consumer
+  // thread, or (O in Q's place) each warpgroup's leader once all its threads have read the tile
+  // index (else the producer could publish the next index over it).
+  __device__ __forceinline__ static void release_q(typename Traits::SharedStorage& shared, int wg, int tid) {
+    if constexpr (Traits::kOAliasesQ) {
+      cutlass::arch::NamedBarrier::sync(128, int(FwdBarrier::kEpilogueWG1) + wg);
+      if (tid == 0) shared.q_empty.arrive();
+    } else {
+      shared.q_empty.arrive();
+    }
+  }
+
   // Shared memory must outlive the last TMA store's reads of it.
   __device__ __forceinline__ static void finish(int tid) {
     if (tid == 0) tma_store_wait<0>();

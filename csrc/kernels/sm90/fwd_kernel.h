@@ -1,6 +1,7 @@
-// sm90 forward kernel: a persistent, warp-specialized block. Warpgroup 0 (one thread) loads Q, K
-// and V with TMA through mbarrier pipelines; warpgroups 1.. each own 64 query rows of the tile and
-// run the wgmma + softmax mainloop, then the epilogue, tile after tile.
+// sm90 forward kernel: a persistent, warp-specialized block. Warpgroup 0 (one thread) claims tiles
+// from a global counter, publishes each to the consumers and loads Q, K and V with TMA through
+// mbarrier pipelines; warpgroups 1.. each own 64 query rows of the tile and run the wgmma +
+// softmax mainloop, then the epilogue, tile after tile.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -47,6 +48,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     prefetch_tma_descriptor(params.tma_o.get_tma_descriptor());
     shared.q_full.init(1);
     shared.q_empty.init(Traits::kQEmptyArrivals);
+    shared.work_full.init(1);
+    shared.work_empty.init(1);
   }
   typename PipelineKV::Params pipeline_params;
   pipeline_params.transaction_bytes = Traits::kKVBytes;
@@ -59,15 +62,33 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-    if (threadIdx.x == 0) {
+    // Tiles are claimed in order from a global counter as blocks free up (block b starts with
+    // tile b), which keeps the causal longest-first order balanced whatever the tile lengths; a
+    // static stride made the rate depend on how lengths fell onto blocks (PERFLOG.md, entry 18).
+    if (threadIdx.x == 0) {  // K/V thread
+      typename Mainloop::KVState state;
+      for (int i = 0;; ++i) {
+        shared.work_full.wait(i & 1);
+        const TileWork w = shared.work;
+        shared.work_empty.arrive();
+        if (w.coord.block < 0) break;
+        if (w.n_min < w.n_max) Mainloop::load_kv(params, shared, pipeline_k, pipeline_v, state, w.coord, w.n_min, w.n_max);
+      }
+    } else if (threadIdx.x == 32) {  // tile thread
       const WindowMask mask = make_mask();
       const PersistentTileScheduler scheduler = make_scheduler();
-      typename Mainloop::ProducerState state;
-      for (int r = 0, t = scheduler.tile(0); scheduler.valid(t); t = scheduler.tile(++r)) {
-        const TileCoord tile = scheduler.coord(t);
-        int n_min, n_max;
-        mask.n_block_range<kBlockM, kBlockN>(tile.block, n_min, n_max);
-        if (n_min < n_max) Mainloop::load(params, shared, pipeline_k, pipeline_v, state, tile, n_min, n_max);
+      for (int i = 0, t = int(blockIdx.x);; ++i, t = atomicAdd(params.tile_counter, 1) + int(gridDim.x)) {
+        const bool valid = t < params.num_tiles;
+        TileWork w{{-1, 0, 0}, 0, 0};
+        if (valid) {
+          w.coord = scheduler.coord(t);
+          mask.n_block_range<kBlockM, kBlockN>(w.coord.block, w.n_min, w.n_max);
+        }
+        if (i > 0) shared.work_empty.wait((i - 1) & 1);
+        shared.work = w;
+        shared.work_full.arrive();
+        Mainloop::publish(params, shared, i, t, w.coord, valid && w.n_min < w.n_max);
+        if (!valid) break;
       }
     }
   } else {
@@ -79,12 +100,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     ping_pong.init();
     typename Mainloop::ConsumerState state;
     typename Traits::TiledMmaPV mma_pv;
-    for (int r = 0, t = scheduler.tile(0); scheduler.valid(t); t = scheduler.tile(++r)) {
+    for (int t = Mainloop::receive(shared, state); t < params.num_tiles; t = Mainloop::receive(shared, state)) {
       const TileCoord tile = scheduler.coord(t);
       int n_min, n_max;
       mask.n_block_range<kBlockM, kBlockN>(tile.block, n_min, n_max);
       if (n_min >= n_max) {
         Epilogue::store_empty(params, tile, int(threadIdx.x) - 128);
+        Epilogue::release_q(shared, wg, tid);  // as a tile with keys would
         continue;
       }
       Tensor acc_o = partition_fragment_C(mma_pv, Shape<_64, Int<Traits::kHeadDim>>{});

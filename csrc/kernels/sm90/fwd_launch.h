@@ -7,6 +7,7 @@
 #include <cute/tensor.hpp>
 
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -133,25 +134,25 @@ FwdKernelParams<Traits> fwd_kernel_params(const FwdParams& params) {
 }
 
 // Launches the forward kernel of one configuration (FwdTraits); run_fwd picks the configuration of
-// a head dim, and benchmarks/tune_sm90.cu times others.
+// a head dim, and benchmarks/tune_sm90.cu times others. tile_group > 0 replaces the causal
+// schedule's computed group size (tuning only).
 template <typename Traits>
-Status run_fwd_traits(const FwdParams& params, cudaStream_t stream) {
+Status run_fwd_traits(const FwdParams& params, cudaStream_t stream, int tile_group = 0) {
   using Element = typename Traits::Element;
   const AttnProblem& p = params.problem;
   for (auto [ref, name] : {std::pair{&params.q, "q"}, {&params.k, "k"}, {&params.v, "v"}, {&params.o, "out"}})
     if (Status s = check_tma_ref<Element>(*ref, name); !s.ok()) return s;
   FwdKernelParams<Traits> kp = fwd_kernel_params<Traits>(params);
 
-  int num_sms = 0, l2_bytes = 0;
+  int num_sms = 0;
   if (Status s = multiprocessor_count(num_sms); !s.ok()) return s;
-  if (Status s = l2_cache_bytes(l2_bytes); !s.ok()) return s;
-  // K and V of one query head (a kv head is shared by nheads / nheads_kv of them, which the
-  // scheduler keeps adjacent); half the L2 leaves room for Q and O passing through.
-  const int64_t kv_bytes = 2 * int64_t(p.seqlen_k) * p.head_dim * int64_t(sizeof(Element)) * p.nheads_kv / p.nheads;
-  const int num_tiles = kp.num_m_blocks * p.nheads * p.batch;
-  const int grid = PersistentTileScheduler::grid_size(num_tiles, num_sms);
-  kp.tile_group =
-      PersistentTileScheduler::group_size(l2_bytes / 2, kv_bytes, p.nheads * p.batch, kp.num_m_blocks, grid);
+  kp.num_tiles = kp.num_m_blocks * p.nheads * p.batch;
+  const int grid = PersistentTileScheduler::grid_size(kp.num_tiles, num_sms);
+  kp.tile_group = tile_group > 0 ? std::min(tile_group, p.nheads * p.batch)
+                                 : PersistentTileScheduler::group_size(p.nheads * p.batch);
+  kp.tile_counter = static_cast<int*>(params.workspace);
+  if (cudaError_t e = cudaMemsetAsync(kp.tile_counter, 0, sizeof(int), stream); e != cudaSuccess)
+    return cuda_status(e, "sm90 forward: zeroing the tile counter");
   constexpr auto kernel = fwd_kernel<Traits>;
   if (Status s = ensure_smem_limit<kernel>(Traits::kSmemBytes); !s.ok()) return s;
   kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(kp);

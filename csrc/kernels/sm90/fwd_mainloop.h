@@ -1,7 +1,7 @@
 // sm90 forward mainloop: the producer's TMA loads and the consumers' wgmma + softmax loop.
 //
-// Per tile the producer loads K[n_max-1], Q, then K[n], V[n+1] for n descending, then V[n_min]:
-// the order the consumers use them in. Iteration n of a consumer warpgroup (64 query rows) issues
+// Per tile the producer publishes the tile (its index and Q, through q_full) and loads K[n_max-1],
+// then K[n], V[n+1] for n descending, then V[n_min]: the order the consumers use them in. Iteration n of a consumer warpgroup (64 query rows) issues
 // S_n = Q K_n^T and O += P_{n+1} V_{n+1} back to back, then computes the softmax of S_n while the
 // P V GEMM runs (FlashAttention-3's intra-warpgroup overlap, pinned in place by
 // warpgroup_wait_all_after, see utils.h). Across warpgroups, named barriers let one warpgroup
@@ -51,66 +51,90 @@ struct FwdMainloop {
   using PipelineState = typename PipelineKV::PipelineState;
   static constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
 
-  // ---- producer (one thread) ----
+  // ---- producer: two threads of warpgroup 0 ----
+  //
+  // The tile thread claims tiles (fwd_kernel.h), hands each tile's key range to the K/V thread and
+  // publishes the tile to the consumers with its Q; the K/V thread streams K and V through the
+  // pipelines. One thread doing both spilled its 24 registers once tiles were claimed from a
+  // global counter.
 
-  struct ProducerState {
+  struct KVState {
     PipelineState k = cutlass::make_producer_start_state<PipelineKV>();
     PipelineState v = cutlass::make_producer_start_state<PipelineKV>();
-    int tiles = 0;  // tiles with at least one key block loaded so far
   };
 
-  template <typename TmaCopy, typename TensorG, typename TensorS>
-  __device__ __forceinline__ static void load_kv(const TmaCopy& tma, PipelineKV& pipeline, PipelineState& state,
-                                 const TensorG& g, TensorS& s, int n_block) {
-    pipeline.producer_acquire(state);
-    copy(tma.with(*pipeline.producer_get_barrier(state), 0), g(_, n_block), s(_, state.index()));
-    ++state;
-  }
-
+  // Tile thread: publishes the i-th tile of this block (index t) once the consumers are done with
+  // the previous tile's Q (or, with O in Q's place, its O store): the index, and Q when the tile
+  // has keys. An index past the last tile ends the consumers' loop.
   template <typename Params>
-  __device__ __forceinline__ static void load(const Params& params, typename Traits::SharedStorage& shared, PipelineKV& pipeline_k,
-                              PipelineKV& pipeline_v, ProducerState& st, const TileCoord& tile, int n_min,
-                              int n_max) {
+  __device__ __forceinline__ static void publish(const Params& params, typename Traits::SharedStorage& shared, int i,
+                                                 int t, const TileCoord& tile, bool has_keys) {
+    if (i > 0) shared.q_empty.wait((i - 1) & 1);
+    shared.tile = t;
+    if (!has_keys) {
+      shared.q_full.arrive();
+      return;
+    }
+    shared.q_full.arrive_and_expect_tx(Traits::kQBytes);
     const AttnProblem& p = params.problem;
-    const int head_kv = tile.head / (p.nheads / p.nheads_kv);
     Tensor mQ = params.tma_q.get_tma_tensor(make_shape(p.seqlen_q, p.head_dim, p.nheads, p.batch));
-    Tensor mK = params.tma_k.get_tma_tensor(make_shape(p.seqlen_k, p.head_dim, p.nheads_kv, p.batch));
-    Tensor mV = params.tma_v.get_tma_tensor(make_shape(p.seqlen_k, p.head_dim, p.nheads_kv, p.batch));
     // Q as 64-row slabs, one per consumer warpgroup: (64, d, slab)
     Tensor gQ = local_tile(mQ(_, _, tile.head, tile.batch), Shape<_64, Int<kHeadDim>>{}, make_coord(_, _0{}));
-    Tensor gK = local_tile(mK(_, _, head_kv, tile.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
-    Tensor gV = local_tile(mV(_, _, head_kv, tile.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
     Tensor sQ = make_tensor(make_smem_ptr(shared.qo.data()), typename Traits::SmemLayoutSlab{});
-    Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutK{});
-    Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutV{});
     auto [tQgQ, tQsQ] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-    auto [tKgK, tKsK] = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-    auto [tVgV, tVsV] = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-
-    load_kv(params.tma_k, pipeline_k, st.k, tKgK, tKsK, n_max - 1);
-    // Q of the previous tile must be free: its last S GEMM done (or, with O in its place, O stored).
-    if (st.tiles > 0) shared.q_empty.wait((st.tiles - 1) & 1);
-    shared.q_full.arrive_and_expect_tx(Traits::kQBytes);
     CUTE_UNROLL
     for (int w = 0; w < Traits::kNMmaWarpGroups; ++w) {
       Tensor dst = make_tensor(tQsQ.data() + w * Traits::kSlabElems, tQsQ.layout());
       copy(params.tma_q.with(reinterpret_cast<uint64_t&>(shared.q_full), 0),
            tQgQ(_, tile.block * Traits::kNMmaWarpGroups + w), dst);
     }
+  }
+
+  template <typename TmaCopy, typename TensorG, typename TensorS>
+  __device__ __forceinline__ static void load_stage(const TmaCopy& tma, PipelineKV& pipeline, PipelineState& state,
+                                                    const TensorG& g, TensorS& s, int n_block) {
+    pipeline.producer_acquire(state);
+    copy(tma.with(*pipeline.producer_get_barrier(state), 0), g(_, n_block), s(_, state.index()));
+    ++state;
+  }
+
+  // K/V thread: K[n_max-1], then K[n], V[n+1] for n descending, then V[n_min].
+  template <typename Params>
+  __device__ __forceinline__ static void load_kv(const Params& params, typename Traits::SharedStorage& shared,
+                                                 PipelineKV& pipeline_k, PipelineKV& pipeline_v, KVState& st,
+                                                 const TileCoord& tile, int n_min, int n_max) {
+    const AttnProblem& p = params.problem;
+    const int head_kv = tile.head / (p.nheads / p.nheads_kv);
+    Tensor mK = params.tma_k.get_tma_tensor(make_shape(p.seqlen_k, p.head_dim, p.nheads_kv, p.batch));
+    Tensor mV = params.tma_v.get_tma_tensor(make_shape(p.seqlen_k, p.head_dim, p.nheads_kv, p.batch));
+    Tensor gK = local_tile(mK(_, _, head_kv, tile.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+    Tensor gV = local_tile(mV(_, _, head_kv, tile.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+    Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutV{});
+    auto [tKgK, tKsK] = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+    auto [tVgV, tVsV] = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+    load_stage(params.tma_k, pipeline_k, st.k, tKgK, tKsK, n_max - 1);
+#pragma unroll 1
     for (int n = n_max - 2; n >= n_min; --n) {
-      load_kv(params.tma_k, pipeline_k, st.k, tKgK, tKsK, n);
-      load_kv(params.tma_v, pipeline_v, st.v, tVgV, tVsV, n + 1);
+      load_stage(params.tma_k, pipeline_k, st.k, tKgK, tKsK, n);
+      load_stage(params.tma_v, pipeline_v, st.v, tVgV, tVsV, n + 1);
     }
-    load_kv(params.tma_v, pipeline_v, st.v, tVgV, tVsV, n_min);
-    ++st.tiles;
+    load_stage(params.tma_v, pipeline_v, st.v, tVgV, tVsV, n_min);
   }
 
   // ---- consumers (one warpgroup each) ----
 
   struct ConsumerState {
     PipelineState k, v;
-    int tiles = 0;
+    int tiles = 0;  // tiles received so far (phases of q_full)
   };
+
+  // The next tile index (waits for its publication; Q, if the tile has any, has landed too).
+  __device__ __forceinline__ static int receive(typename Traits::SharedStorage& shared, ConsumerState& st) {
+    shared.q_full.wait(st.tiles & 1);
+    ++st.tiles;
+    return shared.tile;
+  }
 
   // Waits for a stage and releases it unread: a key block this warpgroup's rows do not see.
   __device__ __forceinline__ static void pass_stage(PipelineKV& pipeline, PipelineState& state) {
@@ -183,7 +207,6 @@ struct FwdMainloop {
       scheduler.arrive();
     }
 
-    shared.q_full.wait(st.tiles & 1);
     // First (highest) key block: S only; its P V waits for the next iteration.
     int n_block = n_top - 1;
     {
@@ -226,7 +249,6 @@ struct FwdMainloop {
     gemm</*kZeroInit=*/false, /*kWait=*/0>(mma_pv, tOrP, tOrV(_, _, _, st.v.index()), acc_o);
     pipeline_v.consumer_release(st.v);
     ++st.v;
-    ++st.tiles;
   }
 };
 

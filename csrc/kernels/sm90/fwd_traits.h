@@ -10,10 +10,18 @@
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
 #include "cutlass_flash/params.h"
+#include "kernels/common/tile_scheduler.h"
 
 namespace cutlass_flash::sm90 {
 
 using namespace cute;
+
+// A tile as the producer's tile thread hands it to its K/V thread: coordinates and key-block
+// range; coord.block < 0 ends the K/V thread's loop.
+struct TileWork {
+  TileCoord coord;
+  int n_min, n_max;
+};
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, typename Element_>
 struct FwdTraits {
@@ -87,8 +95,16 @@ struct FwdTraits {
     cute::array_aligned<Element, kKVElems, 1024> v;
     typename PipelineKV::SharedStorage pipeline_k;
     typename PipelineKV::SharedStorage pipeline_v;
+    // q_full also publishes the tile index (`tile`), written by the producer before its arrival:
+    // every tile, including those that load no Q and the final out-of-range index, completes one
+    // phase of q_full and (except the last) of q_empty.
     cutlass::arch::ClusterTransactionBarrier q_full;
     cutlass::arch::ClusterBarrier q_empty;
+    int tile;
+    // The tile thread's hand-over of each tile to the K/V thread (fwd_kernel.h).
+    cutlass::arch::ClusterBarrier work_full;
+    cutlass::arch::ClusterBarrier work_empty;
+    TileWork work;
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= kMaxSmemBytes, "sm90 forward tile does not fit in shared memory");
@@ -111,7 +127,9 @@ struct FwdKernelParams {
   TensorRef4 o;  // for tiles that see no key, stored directly
   float* lse;
   int num_m_blocks;
-  int tile_group;  // PersistentTileScheduler::group
+  int num_tiles;       // num_m_blocks * nheads * batch
+  int tile_group;     // PersistentTileScheduler::group
+  int* tile_counter;  // zeroed before each launch; see fwd_kernel.h
   typename Traits::TmaQ tma_q;
   typename Traits::TmaKV tma_k;
   typename Traits::TmaKV tma_v;
