@@ -80,12 +80,16 @@ struct FwdEpilogue {
       auto [tOgO, tOsSlab] = tma_partition(params.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO), group_modes<0, 2>(gO));
       copy(params.tma_o, tOsSlab, tOgO);  // rows past seqlen_q are clipped by the TMA unit
       tma_store_arrive();
-      if constexpr (Traits::kOAliasesQ) {
-        tma_store_wait<0>();
-        shared.q_empty.arrive();  // the producer may load the next Q over this slab
-      }
+      if constexpr (Traits::kOAliasesQ) tma_store_wait<0>();
     }
     store_lse(params, tile, lse, wg, tid);
+    if constexpr (Traits::kOAliasesQ) {
+      // The store has left the slab: the producer may load the next Q over it. Every thread
+      // arrives (not the leader alone), so that each thread's read of this tile's index comes
+      // before the producer writes the next one by a chain compute-sanitizer's racecheck follows.
+      cutlass::arch::NamedBarrier::sync(128, barrier);
+      shared.q_empty.arrive();
+    }
   }
 
   // A tile whose rows see no key (causal with seqlen_q > seqlen_k): O = 0 and lse = +inf, stored
@@ -108,16 +112,9 @@ struct FwdEpilogue {
     for (int row = tid; row < kBlockM && row < rows_left; row += Traits::kNMmaThreads) out[row] = INFINITY;
   }
 
-  // Frees Q after a tile without keys, with the arrivals a tile with keys makes: every consumer
-  // thread, or (O in Q's place) each warpgroup's leader once all its threads have read the tile
-  // index (else the producer could publish the next index over it).
-  __device__ __forceinline__ static void release_q(typename Traits::SharedStorage& shared, int wg, int tid) {
-    if constexpr (Traits::kOAliasesQ) {
-      cutlass::arch::NamedBarrier::sync(128, int(FwdBarrier::kEpilogueWG1) + wg);
-      if (tid == 0) shared.q_empty.arrive();
-    } else {
-      shared.q_empty.arrive();
-    }
+  // Frees Q after a tile without keys, with the arrivals a tile with keys makes.
+  __device__ __forceinline__ static void release_q(typename Traits::SharedStorage& shared) {
+    shared.q_empty.arrive();
   }
 
   // Shared memory must outlive the last TMA store's reads of it.

@@ -106,7 +106,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       mask.n_block_range<kBlockM, kBlockN>(tile.block, n_min, n_max);
       if (n_min >= n_max) {
         Epilogue::store_empty(params, tile, int(threadIdx.x) - 128);
-        Epilogue::release_q(shared, wg, tid);  // as a tile with keys would
+        Epilogue::release_q(shared);  // as a tile with keys would
         continue;
       }
       Tensor acc_o = partition_fragment_C(mma_pv, Shape<_64, Int<Traits::kHeadDim>>{});

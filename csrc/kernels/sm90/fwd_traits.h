@@ -109,9 +109,9 @@ struct FwdTraits {
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= kMaxSmemBytes, "sm90 forward tile does not fit in shared memory");
 
-  // Arrivals that free Q for the next tile: every consumer thread after the tile's last S GEMM,
-  // or, when O sits in Q's place, one thread per warpgroup once its O store has left shared memory.
-  static constexpr int kQEmptyArrivals = kOAliasesQ ? kNMmaWarpGroups : kNMmaThreads;
+  // Arrivals that free Q for the next tile: every consumer thread, after the tile's last S GEMM,
+  // or, when O sits in Q's place, once its warpgroup's O store has left shared memory.
+  static constexpr int kQEmptyArrivals = kNMmaThreads;
 };
 
 // Named barriers of the consumer warpgroups (ids after CUTLASS's reserved ones).
