@@ -217,9 +217,9 @@ fwd_op.register_autograd(_backward_with(_bwd), setup_context=_setup_context)
 
 
 class _EagerAttention(torch.autograd.Function):
-    """The ops' autograd, without the op dispatch: the eager path of flash_attn_func. Going
-    through the custom op costs ~60 us more per call with grad (`--overhead-only`, PERFLOG.md
-    entry 17); torch.compile and other tracing still see the ops."""
+    """The ops' autograd, without the op dispatch: the eager path of flash_attn_func. The custom
+    op's Python dispatch cost 66 us more per call with grad (103 against 37 us, fake binding, CPU
+    machine; PERFLOG.md entry 17); torch.compile and other tracing still see the ops."""
 
     @staticmethod
     def forward(ctx, q, k, v, softmax_scale, window_left, window_right, arch):
