@@ -75,12 +75,13 @@ cudaStream_t as_stream(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); 
 // The fields FwdParams and BwdParams share.
 template <typename Params>
 void set_common(Params& params, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
-                const AttnProblem& p) {
+                uintptr_t workspace, const AttnProblem& p) {
   params.problem = p;
   params.q = tensor(q);
   params.k = tensor(k);
   params.v = tensor(v);
   params.o = tensor(o);
+  params.workspace = reinterpret_cast<void*>(workspace);
 }
 
 // Runs a library call without the GIL (the launch path may block on a full CUDA queue) and raises
@@ -100,11 +101,10 @@ void fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, uin
          float softmax_scale, int window_left, int window_right, const std::string& dtype, int arch,
          uintptr_t stream) {
   FwdParams params;
-  set_common(params, q, k, v, o,
+  set_common(params, q, k, v, o, workspace,
              problem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, softmax_scale,
                      window_left, window_right, dtype));
   params.lse = reinterpret_cast<float*>(lse);
-  params.workspace = reinterpret_cast<void*>(workspace);
   run_without_gil([&] { return run_fwd(params, arch, as_stream(stream)); });
 }
 
@@ -114,7 +114,7 @@ void bwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, con
          float softmax_scale, int window_left, int window_right, const std::string& dtype, int arch,
          uintptr_t stream) {
   BwdParams params;
-  set_common(params, q, k, v, o,
+  set_common(params, q, k, v, o, workspace,
              problem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, softmax_scale,
                      window_left, window_right, dtype));
   params.dout = tensor(dout);
@@ -122,7 +122,6 @@ void bwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, con
   params.dq = tensor(dq);
   params.dk = tensor(dk);
   params.dv = tensor(dv);
-  params.workspace = reinterpret_cast<void*>(workspace);
   run_without_gil([&] { return run_bwd(params, arch, as_stream(stream)); });
 }
 

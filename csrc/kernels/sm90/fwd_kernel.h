@@ -78,7 +78,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       const WindowMask mask = make_mask();
       const PersistentTileScheduler scheduler = make_scheduler();
       for (int i = 0, t = int(blockIdx.x);; ++i, t = atomicAdd(params.tile_counter, 1) + int(gridDim.x)) {
-        const bool valid = t < params.num_tiles;
+        const bool valid = t < scheduler.num_tiles;
         TileWork w{{-1, 0, 0}, 0, 0};
         if (valid) {
           w.coord = scheduler.coord(t);
@@ -100,7 +100,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     ping_pong.init();
     typename Mainloop::ConsumerState state;
     typename Traits::TiledMmaPV mma_pv;
-    for (int t = Mainloop::receive(shared, state); t < params.num_tiles; t = Mainloop::receive(shared, state)) {
+    for (int t = Mainloop::receive(shared, state); t < scheduler.num_tiles; t = Mainloop::receive(shared, state)) {
       const TileCoord tile = scheduler.coord(t);
       int n_min, n_max;
       mask.n_block_range<kBlockM, kBlockN>(tile.block, n_min, n_max);

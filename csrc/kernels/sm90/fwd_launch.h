@@ -6,8 +6,8 @@
 #include <cudaTypedefs.h>
 #include <cute/tensor.hpp>
 
-#include <cstdint>
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -146,8 +146,7 @@ Status run_fwd_traits(const FwdParams& params, cudaStream_t stream, int tile_gro
 
   int num_sms = 0;
   if (Status s = multiprocessor_count(num_sms); !s.ok()) return s;
-  kp.num_tiles = kp.num_m_blocks * p.nheads * p.batch;
-  const int grid = PersistentTileScheduler::grid_size(kp.num_tiles, num_sms);
+  const int grid = PersistentTileScheduler::grid_size(kp.num_m_blocks * p.nheads * p.batch, num_sms);
   kp.tile_group = tile_group > 0 ? std::min(tile_group, p.nheads * p.batch)
                                  : PersistentTileScheduler::group_size(p.nheads * p.batch);
   kp.tile_counter = static_cast<int*>(params.workspace);

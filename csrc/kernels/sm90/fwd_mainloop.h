@@ -1,12 +1,12 @@
 // sm90 forward mainloop: the producer's TMA loads and the consumers' wgmma + softmax loop.
 //
 // Per tile the producer publishes the tile (its index and Q, through q_full) and loads K[n_max-1],
-// then K[n], V[n+1] for n descending, then V[n_min]: the order the consumers use them in. Iteration n of a consumer warpgroup (64 query rows) issues
-// S_n = Q K_n^T and O += P_{n+1} V_{n+1} back to back, then computes the softmax of S_n while the
-// P V GEMM runs (FlashAttention-3's intra-warpgroup overlap, pinned in place by
-// warpgroup_wait_all_after, see utils.h). Across warpgroups, named barriers let one warpgroup
-// issue its GEMMs while the other runs its exponentials (ping-pong), so the tensor cores stay busy
-// through the softmax.
+// then K[n], V[n+1] for n descending, then V[n_min]: the order the consumers use them in.
+// Iteration n of a consumer warpgroup (64 query rows) issues S_n = Q K_n^T and
+// O += P_{n+1} V_{n+1} back to back, then computes the softmax of S_n while the P V GEMM runs
+// (FlashAttention-3's intra-warpgroup overlap, pinned in place by warpgroup_wait_all_after, see
+// utils.h). Across warpgroups, named barriers let one warpgroup issue its GEMMs while the other
+// runs its exponentials (ping-pong), so the tensor cores stay busy through the softmax.
 #pragma once
 
 #include <cute/tensor.hpp>

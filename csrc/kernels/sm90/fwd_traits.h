@@ -127,7 +127,6 @@ struct FwdKernelParams {
   TensorRef4 o;  // for tiles that see no key, stored directly
   float* lse;
   int num_m_blocks;
-  int num_tiles;       // num_m_blocks * nheads * batch
   int tile_group;     // PersistentTileScheduler::group
   int* tile_counter;  // zeroed before each launch; see fwd_kernel.h
   typename Traits::TmaQ tma_q;
