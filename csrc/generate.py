@@ -85,11 +85,10 @@ FAMILIES: Tuple[Family, ...] = (
            sass_default=("80", "90"),
            sass_allowed=tuple(s for s in KNOWN_SASS if s != "90a")),
     # Hopper (FlashAttention-3-style: TMA, wgmma, warp specialization). wgmma and setmaxnreg
-    # exist only in the arch-specific sm_90a target. Forward only: the backward of an sm90
-    # forward runs on the sm80 family.
+    # exist only in the arch-specific sm_90a target.
     # CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED: wgmma atoms with N = 80, 112, ... (else CuTe splits
     # an N = 80 GEMM into five 64x16 atoms).
-    Family(arch=90, directions=("fwd",), head_dims=HEAD_DIMS,
+    Family(arch=90, directions=("fwd", "bwd"), head_dims=HEAD_DIMS,
            sass_default=("90a",), sass_allowed=("90a",),
            defines=("CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",)),
 )
@@ -101,6 +100,99 @@ ENV_ARCHS = "CUTLASS_FLASH_ARCHS"
 ENV_HEAD_DIMS = "CUTLASS_FLASH_HEAD_DIMS"
 ENV_DTYPES = "CUTLASS_FLASH_DTYPES"
 ENV_FWD_ONLY = "CUTLASS_FLASH_FWD_ONLY"
+
+
+# --------------------------------------------------------------------------------------------
+# Backward scratch memory: one table for the C++ layout (csrc/generated/bwd_workspace.h, written
+# from it) and for Python (`bwd_workspace_bytes`, used by the tests' fake binding).
+# --------------------------------------------------------------------------------------------
+
+# Query rows of each (batch, head) are rounded up to this: a multiple of every family's query
+# tile, so kernels move whole tiles of the fp32 rows without bounds checks.
+BWD_ROW_ALIGN = 128
+# Every array starts at a multiple of this many bytes.
+BWD_ARRAY_ALIGN = 256
+# Query rows per dQ semaphore (the smallest query tile): deterministic mode orders the dQ
+# accumulation of each tile with one int.
+BWD_SEMAPHORE_ROWS = 64
+# (array, element type, elements per rounded query row: (multiplier, divisor) with the multiplier
+# "head_dim" or 1, present only in deterministic mode). Arrays follow each other in this order.
+BWD_WORKSPACE_ARRAYS: Tuple[Tuple[str, str, Tuple[object, int], bool], ...] = (
+    ("dq_accum", "float", ("head_dim", 1), False),   # fp32 dQ, per query tile in the kernel's order
+    ("dpsum", "float", (1, 1), False),               # rowsum(dO * O)
+    ("lse_log2", "float", (1, 1), False),            # LSE * log2(e); +inf on padding rows
+    ("dq_semaphore", "int", (1, BWD_SEMAPHORE_ROWS), True),
+)
+_CXX_SIZEOF = {"float": 4, "int": 4}
+
+
+def bwd_workspace_bytes(batch: int, nheads: int, seqlen_q: int, head_dim: int,
+                        deterministic: bool) -> int:
+    """Bytes of backward scratch (the same arithmetic as the generated C++ layout)."""
+    rows = batch * nheads * (-(-seqlen_q // BWD_ROW_ALIGN) * BWD_ROW_ALIGN)
+    total = 0
+    for _, ctype, per_row, det_only in BWD_WORKSPACE_ARRAYS:
+        mul, div = per_row
+        count = 0 if det_only and not deterministic else \
+            rows * (head_dim if mul == "head_dim" else mul) // div
+        total = -(-(total + count * _CXX_SIZEOF[ctype]) // BWD_ARRAY_ALIGN) * BWD_ARRAY_ALIGN
+    return total
+
+
+def bwd_workspace_header() -> str:
+    fields = "".join(f"  size_t {name}_offset;  // {ctype}\n" for name, ctype, _, _ in BWD_WORKSPACE_ARRAYS)
+    steps = ""
+    for name, ctype, per_row, det_only in BWD_WORKSPACE_ARRAYS:
+        mul, div = per_row
+        count = f"rows * {'size_t(p.head_dim)' if mul == 'head_dim' else mul} / {div}"
+        if det_only:
+            count = f"(deterministic ? {count} : 0)"
+        steps += (f"  w.{name}_offset = off;\n"
+                  f"  off = align_up(off + {count} * sizeof({ctype}), kBwdArrayAlign);\n")
+    return f"""{MARKER}
+// Layout of the backward's scratch memory (BwdParams::workspace), shared by every kernel family and
+// the host API; csrc/generate.py's BWD_WORKSPACE_ARRAYS is its source, and the tests' fake binding
+// computes the same sizes from it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cutlass_flash/params.h"
+
+#if defined(__CUDACC__)
+#define CUTLASS_FLASH_HOST_DEVICE __host__ __device__
+#else
+#define CUTLASS_FLASH_HOST_DEVICE
+#endif
+
+namespace cutlass_flash {{
+
+constexpr int kBwdRowAlign = {BWD_ROW_ALIGN};
+constexpr size_t kBwdArrayAlign = {BWD_ARRAY_ALIGN};
+constexpr int kBwdSemaphoreRows = {BWD_SEMAPHORE_ROWS};
+
+struct BwdWorkspace {{
+  int64_t seqlen_q_rounded;  // rows per (batch, head) in every array
+{fields}  size_t total_bytes;
+}};
+
+CUTLASS_FLASH_HOST_DEVICE inline size_t align_up(size_t x, size_t a) {{ return (x + a - 1) / a * a; }}
+
+CUTLASS_FLASH_HOST_DEVICE inline BwdWorkspace bwd_workspace_layout(const AttnProblem& p, bool deterministic) {{
+  BwdWorkspace w{{}};
+  w.seqlen_q_rounded = (int64_t(p.seqlen_q) + kBwdRowAlign - 1) / kBwdRowAlign * kBwdRowAlign;
+  const size_t rows = size_t(p.batch) * size_t(p.nheads) * size_t(w.seqlen_q_rounded);
+  size_t off = 0;
+{steps}  w.total_bytes = off;
+  return w;
+}}
+
+}}  // namespace cutlass_flash
+"""
+
+
+BWD_WORKSPACE_HEADER = "bwd_workspace.h"
 
 
 class KnobError(ValueError):
@@ -388,6 +480,8 @@ def write_generated(out_dir: Path = GENERATED_DIR,
         p = out_dir / inst.filename
         if write_if_changed(p, translation_unit(inst)):
             changed.append(p)
+    if write_if_changed(out_dir / BWD_WORKSPACE_HEADER, bwd_workspace_header()):
+        changed.append(out_dir / BWD_WORKSPACE_HEADER)
     if prune:
         keep = {i.filename for i in all_instantiations()}
         for p in sorted(out_dir.glob("*.cu")):

@@ -35,8 +35,9 @@ size_t fwd_workspace_bytes(const AttnProblem& problem, int arch);
 // Runs the forward pass with the kernel family `arch`. Asynchronous on `stream`.
 Status run_fwd(const FwdParams& params, int arch, cudaStream_t stream);
 
-// Scratch bytes the backward needs (fp32 dQ accumulator and rowsum(dO*O)).
-size_t bwd_workspace_bytes(const AttnProblem& problem, int arch);
+// Scratch bytes the backward needs (csrc/generated/bwd_workspace.h: fp32 dQ accumulator,
+// rowsum(dO*O), scaled LSE, and the dQ semaphores of deterministic mode).
+size_t bwd_workspace_bytes(const AttnProblem& problem, int arch, bool deterministic);
 
 // Runs the backward pass (preprocess, main kernel, dQ conversion). Asynchronous on `stream`.
 Status run_bwd(const BwdParams& params, int arch, cudaStream_t stream);

@@ -58,11 +58,15 @@ struct BwdParams {
   AttnProblem problem;
   TensorRef4 q, k, v, o, dout;  // inputs
   const float* lse = nullptr;   // contiguous (batch, nheads, seqlen_q)
-  // Outputs. dk and dv are per *query* head, (batch, seqlen_k, nheads, head_dim): for GQA/MQA the
-  // caller sums the heads of each group.
+  // Outputs, shaped like q, k, v: dk and dv are per kv head (GQA/MQA groups are summed inside the
+  // kernels, in a fixed order).
   TensorRef4 dq, dk, dv;
-  // Scratch, at least bwd_workspace_bytes(problem) bytes, 256-byte aligned; need not be zeroed.
+  // Scratch, at least bwd_workspace_bytes(problem, arch, deterministic) bytes, 256-byte aligned;
+  // need not be zeroed (the preprocess kernel initialises it on the stream).
   void* workspace = nullptr;
+  // dQ accumulated in a fixed order (bit-identical results run to run); otherwise in the order
+  // blocks finish, which is faster.
+  bool deterministic = false;
 };
 
 }  // namespace cutlass_flash

@@ -79,8 +79,9 @@ struct WindowMask {
   // Sets masked entries of a tile of scores to -inf. `coords` holds each entry's (row, col)
   // within the tile (an identity tensor partitioned like the accumulator), so this works for any
   // MMA layout, mma.sync or wgmma. The window bounds become per-row offsets chosen once, so each
-  // entry costs two compares and a select, no branch.
-  template <typename TensorS, typename TensorC>
+  // entry costs two compares and a select, no branch. kTransposed: the tile is S^T, coords are
+  // (key, query) and the offsets (query, key), as the sm90 backward computes it.
+  template <bool kTransposed = false, typename TensorS, typename TensorC>
   __device__ void apply(TensorS& scores, const TensorC& coords, int row_offset, int col_offset) const {
     constexpr int kFar = 1 << 30;  // beyond any column index, with room for row + offset
     const int right = (has_right() ? diag() + window_right + 1 : kFar) + row_offset - col_offset;
@@ -88,8 +89,8 @@ struct WindowMask {
     const int end = seqlen_k - col_offset;
     CUTE_UNROLL
     for (int i = 0; i < cute::size(scores); ++i) {
-      const int row = cute::get<0>(coords(i));
-      const int col = cute::get<1>(coords(i));
+      const int row = cute::get<kTransposed ? 1 : 0>(coords(i));
+      const int col = cute::get<kTransposed ? 0 : 1>(coords(i));
       const bool masked = col >= end || col >= row + right || col < row + left;
       scores(i) = masked ? -INFINITY : scores(i);
     }

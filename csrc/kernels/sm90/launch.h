@@ -1,5 +1,5 @@
-// Entry point of the Hopper (FlashAttention-3-style, wgmma + TMA) kernel family. The generated
-// translation units include fwd_launch.h and instantiate run_fwd for one head dim and one element
+// Entry points of the Hopper (FlashAttention-3-style, wgmma + TMA) kernel family. The generated
+// translation units include fwd_launch.h / bwd_launch.h and instantiate run_fwd / run_bwd for one head dim and one element
 // type (cutlass::half_t or cutlass::bfloat16_t). Built for sm_90a only: wgmma and setmaxnreg do
 // not exist in plain sm_90.
 #pragma once
@@ -13,5 +13,8 @@ namespace cutlass_flash::sm90 {
 
 template <int kHeadDim, typename Element>
 Status run_fwd(const FwdParams& params, cudaStream_t stream);
+
+template <int kHeadDim, typename Element>
+Status run_bwd(const BwdParams& params, cudaStream_t stream);
 
 }  // namespace cutlass_flash::sm90

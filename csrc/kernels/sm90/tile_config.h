@@ -33,3 +33,22 @@ constexpr FwdTile fwd_tile(int head_dim) {
 }
 
 }  // namespace cutlass_flash::sm90
+
+namespace cutlass_flash::sm90 {
+
+// Backward: a block keeps block_n keys (64 per consumer warpgroup, which accumulates their dK and
+// dV in registers) and streams block_m query rows per step through `stages` buffers of Q and dO.
+struct BwdTile {
+  int block_m;
+  int mma_warpgroups;  // block_n = 64 x this
+  int stages;
+};
+
+constexpr BwdTile bwd_tile(int head_dim) {
+  // Registers per consumer thread: dK + dV = head_dim, S + dP = block_m (fp32), P and dS in 16 bits
+  // block_m / 2, dQ block_m x head_dim / (64 x warpgroups): within 240 at 64 x 128 for d <= 128.
+  if (head_dim <= 64) return {128, 2, 2};
+  return {64, 2, 2};
+}
+
+}  // namespace cutlass_flash::sm90

@@ -63,6 +63,19 @@ __device__ __forceinline__ auto rowcol_view(Tensor&& t) {
   return make_tensor(t.data(), acc_rowcol_layout(t.layout()));
 }
 
+// The transpose of acc_rowcol_layout: (cols, rows) of the accumulator. The backward computes
+// S^T (keys as wgmma rows) and reads it per query, the accumulator's columns.
+template <typename Layout>
+__device__ __forceinline__ auto acc_colrow_layout(Layout l) {
+  auto rc = acc_rowcol_layout(l);
+  return make_layout(get<1>(rc), get<0>(rc));
+}
+
+template <typename Tensor>
+__device__ __forceinline__ auto colrow_view(Tensor&& t) {
+  return make_tensor(t.data(), acc_colrow_layout(t.layout()));
+}
+
 // The S accumulator, converted to 16-bit, re-read as the register A operand of O += P V: pairs of
 // 8-column groups make one k16 slice ((2, 2, 2), MMA_M, N/16).
 template <typename Layout>
@@ -71,6 +84,37 @@ __device__ __forceinline__ auto acc_as_a_layout(Layout l) {
   auto v = logical_divide(get<0, 2>(l), Tile<_2>{});  // ((2, N/16))
   return make_layout(make_layout(get<0, 0>(l), get<0, 1>(l), get<0, 0>(v)), get<1>(l),
                      coalesce(make_layout(get<0, 1>(v), get<2>(l))));
+}
+
+// Bulk asynchronous copies of contiguous bytes (no tensor map): global -> shared, completing on an
+// mbarrier's transaction count, and shared -> global as an fp32 reduce-add performed in L2.
+__device__ __forceinline__ void bulk_load(void* smem, const void* gmem, uint32_t bytes, uint64_t& mbarrier) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(cast_smem_ptr_to_uint(smem)), "l"(gmem), "r"(bytes), "r"(cast_smem_ptr_to_uint(&mbarrier))
+               : "memory");
+}
+
+__device__ __forceinline__ void bulk_reduce_add(float* gmem, const float* smem, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+               ::"l"(gmem), "r"(cast_smem_ptr_to_uint(smem)), "r"(bytes)
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+
+// Waits until the bulk groups committed so far have read their shared memory (kRead) or have
+// completed, their writes performed.
+template <bool kRead>
+__device__ __forceinline__ void bulk_wait_all() {
+  if constexpr (kRead) {
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+  } else {
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  }
+}
+
+// Orders the async proxy's global accesses (bulk reduce-adds) against the generic proxy's.
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
 }  // namespace cutlass_flash::sm90

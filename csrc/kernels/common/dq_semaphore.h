@@ -1,0 +1,53 @@
+// The fixed accumulation order of dQ in deterministic mode (arch-neutral): for each (batch, head,
+// query tile) an int in the workspace counts the key blocks that have added their dQ; key block n
+// adds its share once every lower key block that sees the tile has (FlashAttention-3's scheme).
+// Deadlock-free because a block only ever waits for blocks of lower key index of the same (head,
+// batch), which the hardware starts first: the grids put the key block in blockIdx.x.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "generated/bwd_workspace.h"
+#include "kernels/common/mask.h"
+
+namespace cutlass_flash {
+
+struct DqSemaphore {
+  int* counts = nullptr;  // null: not deterministic, every call below is a no-op
+
+  // The semaphore of query rows [m_block * kBlockM, ...) of (batch, head); kBlockM is a multiple of
+  // kBwdSemaphoreRows.
+  template <int kBlockM>
+  __device__ int* at(int64_t bh_row, int m_block) const {
+    static_assert(kBlockM % kBwdSemaphoreRows == 0);
+    return counts + (bh_row + int64_t(m_block) * kBlockM) / kBwdSemaphoreRows;
+  }
+
+  // How many key blocks below n_block add to query tile m_block: those whose query range
+  // (WindowMask::m_block_range, the same function that bounds their loops) contains it.
+  template <int kBlockM, int kBlockN>
+  __device__ static int turn(const WindowMask& mask, int m_block, int n_block) {
+    int count = 0;
+    for (int n = 0; n < n_block; ++n) {
+      int m_min, m_max;
+      mask.m_block_range<kBlockM, kBlockN>(n, m_min, m_max);
+      count += m_min <= m_block && m_block < m_max;
+    }
+    return count;
+  }
+
+  // One thread: spins until `sem` reaches `value` (acquire).
+  __device__ static void wait(const int* sem, int value) {
+    int seen;
+    do {
+      asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(sem) : "memory");
+    } while (seen != value);
+  }
+
+  // One thread, after its block's additions are complete and visible (release).
+  __device__ static void signal(int* sem) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(sem) : "memory");
+  }
+};
+
+}  // namespace cutlass_flash

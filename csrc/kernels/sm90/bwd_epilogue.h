@@ -1,0 +1,88 @@
+// sm90 backward epilogue: dK (scaled by softmax_scale) and dV of the block's keys from the
+// consumers' registers to the caller's tensors, and the dQ postprocess (fp32 workspace -> dq).
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include <cstdint>
+
+#include "cutlass_flash/params.h"
+#include "generated/bwd_workspace.h"
+#include "kernels/common/block_info.h"
+#include "kernels/common/convert.h"
+#include "kernels/sm90/bwd_mainloop.h"
+#include "kernels/sm90/bwd_traits.h"
+
+namespace cutlass_flash::sm90 {
+
+using namespace cute;
+
+template <typename Traits>
+struct BwdEpilogue {
+  using Element = typename Traits::Element;
+  static constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+
+  // Writes one (kBlockN, d) accumulator of consumer thread `tid` to rows [n_block * kBlockN, ...)
+  // of `out` (batch, head_kv), rows past seqlen_k left alone. Once per block, after the whole
+  // query loop: direct stores, no staging.
+  template <typename Acc>
+  __device__ static void store(const TensorRef4& out, const Acc& acc, float scale, int batch, int head_kv,
+                               int n_block, int seqlen_k, int tid) {
+    typename Traits::TiledMmadKV mma_dkv;
+    auto thr = mma_dkv.get_thread_slice(tid);
+    Tensor scaled = make_tensor_like(acc);
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc); ++i) scaled(i) = acc(i) * scale;
+    Tensor r = convert_type<Element>(scaled);
+    Element* base = BlockInfo::slice<Element>(out, batch, head_kv) + int64_t(n_block) * kBlockN * out.row_stride;
+    Tensor g = make_tensor(make_gmem_ptr(base), make_shape(Int<kBlockN>{}, Int<kHeadDim>{}), make_stride(out.row_stride, _1{}));
+    Tensor tg = thr.partition_C(g);
+    Tensor tc = thr.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+    const int rows_left = seqlen_k - n_block * kBlockN;
+    // Accumulator pairs are two consecutive columns: one 4-byte store each.
+    static_assert(decltype(size<0, 0>(r))::value == 2);
+    CUTE_UNROLL
+    for (int i = 0; i < size(r); i += 2) {
+      if (get<0>(tc(i)) < rows_left)
+        *reinterpret_cast<uint32_t*>(&tg(i)) = uint32_t(r(i).raw()) | uint32_t(r(i + 1).raw()) << 16;
+    }
+  }
+};
+
+// dq = softmax_scale * the fp32 workspace, one block of kNMmaThreads per query tile, each thread
+// reading the accumulators it staged in the main kernel (dq_index: coalesced) and writing them at
+// their (row, col).
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kNMmaThreads) bwd_convert_dq_kernel(const __grid_constant__ BwdParams params) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
+  const AttnProblem& p = params.problem;
+  const BwdWorkspace ws = bwd_workspace_layout(p, params.deterministic);
+  const int tid = threadIdx.x, m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+  const int64_t bh_row = (int64_t(batch) * p.nheads + head) * ws.seqlen_q_rounded;
+  const float* tile = reinterpret_cast<const float*>(static_cast<const char*>(params.workspace) + ws.dq_accum_offset) +
+                      (bh_row + int64_t(m_block) * kBlockM) * kHeadDim;
+  typename Traits::TiledMmadQ mma_dq;
+  auto thr = mma_dq.get_thread_slice(tid);
+  Tensor acc = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  CUTE_UNROLL
+  for (int j = 0; j < size(acc) / 4; ++j) {
+    const float4 v = reinterpret_cast<const float4*>(tile)[dq_index<Traits>(4 * j, tid) / 4];
+    acc(4 * j) = v.x * p.softmax_scale;
+    acc(4 * j + 1) = v.y * p.softmax_scale;
+    acc(4 * j + 2) = v.z * p.softmax_scale;
+    acc(4 * j + 3) = v.w * p.softmax_scale;
+  }
+  Tensor r = convert_type<Element>(acc);
+  Tensor mdq = make_tensor(make_gmem_ptr(BlockInfo::slice<Element>(params.dq, batch, head)),
+                           make_shape(p.seqlen_q, Int<kHeadDim>{}), make_stride(params.dq.row_stride, _1{}));
+  Tensor tg = thr.partition_C(local_tile(mdq, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0)));
+  Tensor tc = thr.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  const int rows_left = p.seqlen_q - m_block * kBlockM;
+  CUTE_UNROLL
+  for (int i = 0; i < size(r); ++i) {
+    if (get<0>(tc(i)) < rows_left) tg(i) = r(i);
+  }
+}
+
+}  // namespace cutlass_flash::sm90

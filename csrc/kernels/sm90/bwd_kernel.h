@@ -1,0 +1,91 @@
+// sm90 backward kernel: one block per (key block, kv head, batch), warp-specialized. Warpgroup 0
+// loads (one thread: K, V, then Q/LSE and dO/D per step) and adds dQ to the workspace (another
+// thread); warpgroups 1.. each own 64 of the block's keys and run the wgmma mainloop over every
+// query head of the kv head's group, so GQA/MQA dK and dV are summed in registers in a fixed
+// order and written once.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "cutlass_flash/params.h"
+#include "kernels/common/mask.h"
+#include "kernels/common/tile_scheduler.h"
+#include "kernels/sm90/bwd_epilogue.h"
+#include "kernels/sm90/bwd_mainloop.h"
+#include "kernels/sm90/bwd_traits.h"
+
+namespace cutlass_flash::sm90 {
+
+using namespace cute;
+
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kNThreads, 1)
+    bwd_kernel(const __grid_constant__ BwdKernelParams<Traits> params) {
+  using Mainloop = BwdMainloop<Traits>;
+  using Pipeline = typename Traits::Pipeline;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
+  extern __shared__ __align__(1024) char smem[];
+  auto& shared = *reinterpret_cast<typename Traits::SharedStorage*>(smem);
+
+  const AttnProblem& p = params.problem;
+  const int warp_group = cutlass::canonical_warp_group_idx();
+  // Key blocks in blockIdx.x: under a causal mask the first ones see the most queries and start
+  // first; deterministic mode relies on lower key blocks starting first (common/dq_semaphore.h).
+  const TileCoord tile = GridTileScheduler::get(/*longest_first=*/false);
+  const int n_block = tile.block, head_kv = tile.head;
+  // Built after each role's setmaxnreg: values live across it are spilled (forward, entry 16).
+  auto make_steps = [&](const WindowMask& mask) {
+    const int group = p.nheads / p.nheads_kv;
+    BwdSteps steps{tile.batch, head_kv * group, group, 0, 0};
+    mask.m_block_range<kBlockM, kBlockN>(n_block, steps.m_min, steps.m_max);
+    return steps;
+  };
+  auto make_mask = [&] { return WindowMask(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right); };
+
+  if (threadIdx.x == 0) {
+    prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
+    prefetch_tma_descriptor(params.tma_do.get_tma_descriptor());
+    prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
+    prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
+    shared.kv_full.init(1);
+    shared.dq_full.init(Traits::kNMmaThreads);
+    shared.dq_empty.init(1);
+  }
+  typename Pipeline::Params pipeline_params;
+  pipeline_params.transaction_bytes = Traits::kQBytes + Traits::kRowStatBytes;
+  pipeline_params.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pipeline_params.is_leader = threadIdx.x == 0;
+  pipeline_params.num_consumers = Traits::kNMmaThreads;
+  Pipeline pipeline_q(shared.pipeline_q, pipeline_params, Shape<_1, _1, _1>{});
+  Pipeline pipeline_do(shared.pipeline_do, pipeline_params, Shape<_1, _1, _1>{});
+  __syncthreads();  // barriers initialised before any thread waits on them
+
+  if (warp_group == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
+    if (threadIdx.x == 0) {
+      const BwdSteps steps = make_steps(make_mask());
+      Mainloop::load(params, shared, pipeline_q, pipeline_do, steps, n_block, head_kv);
+    } else if (threadIdx.x == 32) {
+      const WindowMask mask = make_mask();
+      Mainloop::store_dq(params, shared, make_steps(mask), mask, n_block);
+    }
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
+    const WindowMask mask = make_mask();
+    const BwdSteps steps = make_steps(mask);
+    const int tid = int(threadIdx.x) - 128;
+    typename Traits::TiledMmadKV mma_dkv;
+    Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<Traits::kHeadDim>>{});
+    Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<Traits::kHeadDim>>{});
+    clear(acc_dk);
+    clear(acc_dv);
+    if (steps.count() > 0) Mainloop::mma(params, shared, pipeline_q, pipeline_do, steps, mask, n_block, tid, acc_dk, acc_dv);
+    using Epilogue = BwdEpilogue<Traits>;
+    Epilogue::store(params.dk, acc_dk, p.softmax_scale, tile.batch, head_kv, n_block, p.seqlen_k, tid);
+    Epilogue::store(params.dv, acc_dv, 1.f, tile.batch, head_kv, n_block, p.seqlen_k, tid);
+  }
+}
+
+}  // namespace cutlass_flash::sm90

@@ -1,0 +1,91 @@
+// Host launcher of the sm90 backward: preprocess (shared with sm80), main kernel, dQ conversion,
+// all on the caller's stream.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "generated/bwd_workspace.h"
+#include "kernels/common/bwd_preprocess.h"
+#include "kernels/common/launch_utils.h"
+#include "kernels/common/tile_scheduler.h"
+#include "kernels/sm90/bwd_epilogue.h"
+#include "kernels/sm90/bwd_kernel.h"
+#include "kernels/sm90/bwd_traits.h"
+#include "kernels/sm90/launch.h"
+#include "kernels/sm90/tile_config.h"
+#include "kernels/sm90/tma_plan.h"
+
+namespace cutlass_flash::sm90 {
+
+template <typename Traits>
+BwdKernelParams<Traits> make_bwd_kernel_params(const BwdParams& params) {
+  using namespace cute;
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  const AttnProblem& p = params.problem;
+  BwdKernelParams<Traits> kp{};
+  kp.problem = p;
+  auto q = gmem_tensor<const Element>(params.q, p.seqlen_q, p, p.nheads);
+  auto dout = gmem_tensor<const Element>(params.dout, p.seqlen_q, p, p.nheads);
+  auto k = gmem_tensor<const Element>(params.k, p.seqlen_k, p, p.nheads_kv);
+  auto v = gmem_tensor<const Element>(params.v, p.seqlen_k, p, p.nheads_kv);
+  auto smem_q = take<0, 2>(typename Traits::SmemLayoutQ{});
+  kp.tma_q = make_tma_copy(SM90_TMA_LOAD{}, q, smem_q, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{});
+  kp.tma_do = make_tma_copy(SM90_TMA_LOAD{}, dout, smem_q, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{});
+  kp.tma_k = make_tma_copy(SM90_TMA_LOAD{}, k, typename Traits::SmemLayoutKV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
+  kp.tma_v = make_tma_copy(SM90_TMA_LOAD{}, v, typename Traits::SmemLayoutKV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
+  return kp;
+}
+
+// Kernel parameters for `params`: a cached plan (tma_plan.h) with the per-call fields set.
+template <typename Traits>
+BwdKernelParams<Traits> bwd_kernel_params(const BwdParams& params) {
+  const TmaPlanKey<4> key(params.problem, {&params.q, &params.dout, &params.k, &params.v});
+  BwdKernelParams<Traits> kp = cached_kernel_params<BwdKernelParams<Traits>>(
+      key, [&] { return make_bwd_kernel_params<Traits>(params); },
+      [&](BwdKernelParams<Traits>& kp) {
+        return replace_address(kp.tma_q, params.q.ptr) && replace_address(kp.tma_do, params.dout.ptr) &&
+               replace_address(kp.tma_k, params.k.ptr) && replace_address(kp.tma_v, params.v.ptr);
+      });
+  const BwdWorkspace ws = bwd_workspace_layout(params.problem, params.deterministic);
+  char* workspace = static_cast<char*>(params.workspace);
+  kp.dk = params.dk;
+  kp.dv = params.dv;
+  kp.dq_accum = reinterpret_cast<float*>(workspace + ws.dq_accum_offset);
+  kp.dpsum = reinterpret_cast<const float*>(workspace + ws.dpsum_offset);
+  kp.lse_log2 = reinterpret_cast<const float*>(workspace + ws.lse_log2_offset);
+  kp.dq_semaphore = params.deterministic ? reinterpret_cast<int*>(workspace + ws.dq_semaphore_offset) : nullptr;
+  kp.seqlen_q_rounded = ws.seqlen_q_rounded;
+  return kp;
+}
+
+template <typename Traits>
+Status run_bwd_traits(const BwdParams& params, cudaStream_t stream) {
+  using Element = typename Traits::Element;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  const AttnProblem& p = params.problem;
+  for (auto [ref, name] : {std::pair{&params.q, "q"}, {&params.k, "k"}, {&params.v, "v"}, {&params.dout, "dout"}})
+    if (Status s = check_tma_ref<Element>(*ref, name, "backward"); !s.ok()) return s;
+
+  bwd_preprocess_kernel<kHeadDim, Element><<<BwdPreprocess::grid(params), BwdPreprocess::kWarps * 32, 0, stream>>>(params);
+  if (Status s = cuda_status(cudaGetLastError(), "sm90 backward preprocess launch"); !s.ok()) return s;
+
+  const BwdKernelParams<Traits> kp = bwd_kernel_params<Traits>(params);
+  constexpr auto kernel = bwd_kernel<Traits>;
+  if (Status s = ensure_smem_limit<kernel>(Traits::kSmemBytes); !s.ok()) return s;
+  const dim3 grid = GridTileScheduler::grid(ceil_div(p.seqlen_k, Traits::kBlockN), p.nheads_kv, p.batch);
+  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(kp);
+  if (Status s = cuda_status(cudaGetLastError(), "sm90 backward launch"); !s.ok()) return s;
+
+  const dim3 q_grid(ceil_div(p.seqlen_q, Traits::kBlockM), p.nheads, p.batch);
+  bwd_convert_dq_kernel<Traits><<<q_grid, Traits::kNMmaThreads, 0, stream>>>(params);
+  return cuda_status(cudaGetLastError(), "sm90 backward dQ conversion launch");
+}
+
+template <int kHeadDim, typename Element>
+Status run_bwd(const BwdParams& params, cudaStream_t stream) {
+  constexpr BwdTile kTile = bwd_tile(kHeadDim);
+  return run_bwd_traits<BwdTraits<kHeadDim, kTile.block_m, kTile.mma_warpgroups, kTile.stages, Element>>(params, stream);
+}
+
+}  // namespace cutlass_flash::sm90

@@ -1,0 +1,269 @@
+// sm90 backward mainloop: the producer's loads, the consumers' step over one query block, and the
+// dQ thread's reduce-adds.
+//
+// A block's work is a list of steps, one per (query head of the kv head's group, query block that
+// sees the block's keys), walked in the same order by the three roles:
+//   load thread:  K, V once; per step Q + LSE and dO + D through two TMA pipelines;
+//   consumers:    S^T = K Q^T, dP^T = V dO^T (issued together), P^T = exp2(S^T - LSE),
+//                 dS^T = P^T (dP^T - D); dS^T to shared memory; dV += P^T dO (P^T from registers);
+//                 all warpgroups' dS^T written -> dQ = dS K; dK += dS^T Q; dQ staged in fp32;
+//   dQ thread:    adds each staged dQ to the workspace with one bulk reduce-add (after the lower
+//                 key blocks' additions when deterministic).
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "kernels/common/dq_semaphore.h"
+#include "kernels/common/mask.h"
+#include "kernels/sm90/bwd_traits.h"
+#include "kernels/sm90/utils.h"
+
+namespace cutlass_flash::sm90 {
+
+using namespace cute;
+
+// The steps of one block: query heads [head_begin, head_begin + heads) of (batch), query blocks
+// [m_min, m_max) of each.
+struct BwdSteps {
+  int batch, head_begin, heads, m_min, m_max;
+
+  __device__ int count() const { return m_max > m_min ? heads * (m_max - m_min) : 0; }
+};
+
+// Position of a consumer thread's i-th dQ accumulator in the fp32 staging tile (and in the
+// workspace, which holds each query block as its bulk add left it): thread-major in 16-byte
+// vectors, so each warp's stores cover 512 consecutive bytes, free of bank conflicts. The
+// postprocess reads the tile back with the same map.
+template <typename Traits>
+__host__ __device__ __forceinline__ int dq_index(int i, int tid) {
+  return ((i / 4) * Traits::kNMmaThreads + tid) * 4 + i % 4;
+}
+
+// A per-query statistic (LSE or D) of a step, as each thread needs it along its S^T accumulator's
+// columns: query 8 j + 2 (lane % 4) + c for row qi = c + 2 j of colrow_view (the wgmma C layout).
+// Each lane loads kBlockM / 8 values (query 8 i + lane % 8 into v[i]) and takes the others from
+// the lane that holds them: half the registers of loading all kBlockM / 4, which at d = 128 made
+// the difference between spilling and not.
+template <int kBlockM>
+struct QueryStats {
+  float v[kBlockM / 8];
+
+  __device__ explicit QueryStats(const float* stats) {
+    const int lane = threadIdx.x % 32;
+    CUTE_UNROLL
+    for (int i = 0; i < kBlockM / 8; ++i) v[i] = stats[8 * i + lane % 8];
+  }
+  __device__ float operator()(int qi) const {
+    return __shfl_sync(0xffffffff, v[qi / 2], 2 * (threadIdx.x % 4) + qi % 2);
+  }
+};
+
+template <typename Traits>
+struct BwdMainloop {
+  using Element = typename Traits::Element;
+  using Pipeline = typename Traits::Pipeline;
+  using PipelineState = typename Pipeline::PipelineState;
+  static constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+
+  // ---- load thread ----
+
+  template <typename Params>
+  __device__ static void load(const Params& params, typename Traits::SharedStorage& shared, Pipeline& pipeline_q,
+                              Pipeline& pipeline_do, const BwdSteps& steps, int n_block, int head_kv) {
+    const AttnProblem& p = params.problem;
+    if (steps.count() == 0) return;
+    Tensor mK = params.tma_k.get_tma_tensor(make_shape(p.seqlen_k, p.head_dim, p.nheads_kv, p.batch));
+    Tensor mV = params.tma_v.get_tma_tensor(make_shape(p.seqlen_k, p.head_dim, p.nheads_kv, p.batch));
+    Tensor gK = local_tile(mK(_, _, head_kv, steps.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
+    Tensor gV = local_tile(mV(_, _, head_kv, steps.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
+    Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKV{});
+    Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutKV{});
+    auto [tKgK, tKsK] = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+    auto [tVgV, tVsV] = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+    shared.kv_full.arrive_and_expect_tx(2 * Traits::kKVBytes);
+    copy(params.tma_k.with(reinterpret_cast<uint64_t&>(shared.kv_full), 0), tKgK, tKsK);
+    copy(params.tma_v.with(reinterpret_cast<uint64_t&>(shared.kv_full), 0), tVgV, tVsV);
+
+    Tensor mQ = params.tma_q.get_tma_tensor(make_shape(p.seqlen_q, p.head_dim, p.nheads, p.batch));
+    Tensor mdO = params.tma_do.get_tma_tensor(make_shape(p.seqlen_q, p.head_dim, p.nheads, p.batch));
+    Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutQ{});
+    PipelineState st_q = cutlass::make_producer_start_state<Pipeline>();
+    PipelineState st_do = cutlass::make_producer_start_state<Pipeline>();
+#pragma unroll 1
+    for (int h = steps.head_begin; h < steps.head_begin + steps.heads; ++h) {
+      Tensor gQ = local_tile(mQ(_, _, h, steps.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+      Tensor gdO = local_tile(mdO(_, _, h, steps.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+      auto [tQgQ, tQsQ] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+      auto [tdOgdO, tdOsdO] = tma_partition(params.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+      const int64_t bh_row = (int64_t(steps.batch) * p.nheads + h) * params.seqlen_q_rounded;
+#pragma unroll 1
+      for (int m = steps.m_min; m < steps.m_max; ++m) {
+        const int64_t row = bh_row + int64_t(m) * kBlockM;
+        pipeline_q.producer_acquire(st_q);
+        copy(params.tma_q.with(*pipeline_q.producer_get_barrier(st_q), 0), tQgQ(_, m), tQsQ(_, st_q.index()));
+        bulk_load(shared.lse_log2.data() + st_q.index() * kBlockM, params.lse_log2 + row, Traits::kRowStatBytes,
+                  *pipeline_q.producer_get_barrier(st_q));
+        ++st_q;
+        pipeline_do.producer_acquire(st_do);
+        copy(params.tma_do.with(*pipeline_do.producer_get_barrier(st_do), 0), tdOgdO(_, m), tdOsdO(_, st_do.index()));
+        bulk_load(shared.dpsum.data() + st_do.index() * kBlockM, params.dpsum + row, Traits::kRowStatBytes,
+                  *pipeline_do.producer_get_barrier(st_do));
+        ++st_do;
+      }
+    }
+  }
+
+  // ---- dQ thread ----
+
+  template <typename Params>
+  __device__ static void store_dq(const Params& params, typename Traits::SharedStorage& shared, const BwdSteps& steps,
+                                  const WindowMask& mask, int n_block) {
+    const AttnProblem& p = params.problem;
+    const DqSemaphore semaphore{params.dq_semaphore};
+    int i = 0;
+#pragma unroll 1
+    for (int h = steps.head_begin; h < steps.head_begin + steps.heads; ++h) {
+      const int64_t bh_row = (int64_t(steps.batch) * p.nheads + h) * params.seqlen_q_rounded;
+#pragma unroll 1
+      for (int m = steps.m_min; m < steps.m_max; ++m, ++i) {
+        shared.dq_full.wait(i & 1);
+        float* dst = params.dq_accum + (bh_row + int64_t(m) * kBlockM) * kHeadDim;
+        if (semaphore.counts != nullptr) {
+          int* sem = semaphore.at<kBlockM>(bh_row, m);
+          DqSemaphore::wait(sem, DqSemaphore::turn<kBlockM, kBlockN>(mask, m, n_block));
+          fence_proxy_async_global();  // the lower blocks' additions come before this one
+          bulk_reduce_add(dst, shared.dq.data(), Traits::kdQElems * sizeof(float));
+          bulk_wait_all</*kRead=*/false>();
+          fence_proxy_async_global();
+          DqSemaphore::signal(sem);
+        } else {
+          bulk_reduce_add(dst, shared.dq.data(), Traits::kdQElems * sizeof(float));
+          bulk_wait_all</*kRead=*/true>();
+        }
+        shared.dq_empty.arrive();
+      }
+    }
+  }
+
+  // ---- consumers ----
+
+  // Runs every step of the block for consumer thread `tid` (0 .. kNMmaThreads) and leaves its
+  // unscaled dK and its dV in acc_dk, acc_dv.
+  template <typename Params, typename AccKV>
+  __device__ static void mma(const Params& params, typename Traits::SharedStorage& shared, Pipeline& pipeline_q,
+                             Pipeline& pipeline_do, const BwdSteps& steps, const WindowMask& mask, int n_block,
+                             int tid, AccKV& acc_dk, AccKV& acc_dv) {
+    typename Traits::TiledMmaSdP mma_sdp;
+    typename Traits::TiledMmadKV mma_dkv;
+    typename Traits::TiledMmadQ mma_dq;
+    auto thr_sdp = mma_sdp.get_thread_slice(tid);
+    auto thr_dkv = mma_dkv.get_thread_slice(tid);
+    auto thr_dq = mma_dq.get_thread_slice(tid);
+
+    Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKV{});
+    Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutKV{});
+    Tensor sKt = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKt{});
+    Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutQ{});
+    Tensor sQt = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQt{});
+    Tensor sdOt = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutQt{});
+    Tensor sdS = make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutdS{});
+    Tensor sdSt = make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutdSt{});
+
+    Tensor tSrK = thr_sdp.partition_fragment_A(sK);     // wgmma descriptors
+    Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);     // (MMA, N, K, stage)
+    Tensor tdPrV = thr_sdp.partition_fragment_A(sV);
+    Tensor tdPrdO = thr_sdp.partition_fragment_B(sdO);
+    Tensor tdVrdO = thr_dkv.partition_fragment_B(sdOt);  // (MMA, N, K, stage)
+    Tensor tdKrQ = thr_dkv.partition_fragment_B(sQt);
+    Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);   // (MMA, M, K, buffer)
+    Tensor tdQrK = thr_dq.partition_fragment_B(sKt);
+
+    // dS^T from registers to shared memory with stmatrix: 8 consecutive queries (16 bytes) of 4
+    // keys per instruction and one address per thread, where 4-byte stores kept 16 swizzled
+    // addresses live through the loop (7 registers spilled at d = 128).
+    auto r2s_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
+    auto thr_r2s_ds = r2s_ds.get_thread_slice(tid);
+    Tensor tdSsdS = thr_r2s_ds.partition_D(sdSt);  // (CPY, M, N, buffer)
+
+    // (key, query) of each S^T accumulator, for the mask.
+    Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
+    constexpr int kQueries = decltype(size<0>(colrow_view(tScS)))::value;  // queries per thread
+    static_assert(kQueries == kBlockM / 4);
+    const float scale_log2 = params.problem.softmax_scale * float(M_LOG2E);
+
+    float4* dq_stage = reinterpret_cast<float4*>(shared.dq.data());
+    PipelineState st_q, st_do;
+    shared.kv_full.wait(0);
+    int i = 0;
+#pragma unroll 1
+    for (int h = steps.head_begin; h < steps.head_begin + steps.heads; ++h) {
+#pragma unroll 1
+      for (int m = steps.m_min; m < steps.m_max; ++m, ++i) {
+        const int buf = i % Traits::kdSBuffers;
+        Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+        Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+        pipeline_q.consumer_wait(st_q);
+        gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_sdp, tSrK, tSrQ(_, _, _, st_q.index()), acc_s);
+        pipeline_do.consumer_wait(st_do);
+        gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_sdp, tdPrV, tdPrdO(_, _, _, st_do.index()), acc_dp);
+        warpgroup_wait<1>();  // S^T done, dP^T running
+        warpgroup_fence_operand(acc_s);
+        if (mask.block_needs_mask<kBlockM, kBlockN>(m, n_block))
+          mask.apply</*kTransposed=*/true>(acc_s, tScS, m * kBlockM, n_block * kBlockN);
+        Tensor s = colrow_view(acc_s);  // (query, key)
+        const QueryStats<kBlockM> lse(shared.lse_log2.data() + st_q.index() * kBlockM);
+        CUTE_UNROLL
+        for (int qi = 0; qi < kQueries; ++qi) {
+          const float lse_q = lse(qi);
+          CUTE_UNROLL
+          for (int ki = 0; ki < size<1>(s); ++ki) s(qi, ki) = exp2f(s(qi, ki) * scale_log2 - lse_q);
+        }
+        warpgroup_wait<0>();  // dP^T done
+        warpgroup_fence_operand(acc_dp);
+        Tensor ds = colrow_view(acc_dp);
+        const QueryStats<kBlockM> dpsum(shared.dpsum.data() + st_do.index() * kBlockM);
+        CUTE_UNROLL
+        for (int qi = 0; qi < kQueries; ++qi) {
+          const float d_q = dpsum(qi);
+          CUTE_UNROLL
+          for (int ki = 0; ki < size<1>(ds); ++ki) ds(qi, ki) = s(qi, ki) * (ds(qi, ki) - d_q);
+        }
+        Tensor rP = convert_type<Element>(acc_s);
+        Tensor rdS = convert_type<Element>(acc_dp);
+        copy(r2s_ds, thr_r2s_ds.retile_S(rdS), tdSsdS(_, _, _, buf));
+        Tensor tdVrP = make_tensor(rP.data(), acc_as_a_layout(rP.layout()));
+        gemm</*kZeroInit=*/false, /*kWait=*/-1>(mma_dkv, tdVrP, tdVrdO(_, _, _, st_do.index()), acc_dv);
+        // Every warpgroup's dS^T is in shared memory (generic-proxy stores, read next by wgmma).
+        cutlass::arch::fence_view_async_shared();
+        cutlass::arch::NamedBarrier::sync(Traits::kNMmaThreads, int(BwdBarrier::kdSReady));
+        Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+        gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_dq, tdQrdS(_, _, _, buf), tdQrK, acc_dq);
+        Tensor tdKrdS = make_tensor(rdS.data(), acc_as_a_layout(rdS.layout()));
+        gemm</*kZeroInit=*/false, /*kWait=*/-1>(mma_dkv, tdKrdS, tdKrQ(_, _, _, st_q.index()), acc_dk);
+        warpgroup_wait<1>();  // dV and dQ done, dK running
+        warpgroup_fence_operand(acc_dq);
+        warpgroup_fence_operand(rP);  // the dV wgmma read P^T from these registers until here
+        pipeline_do.consumer_release(st_do);
+        ++st_do;
+        if (i > 0) shared.dq_empty.wait((i - 1) & 1);  // the dQ thread has read the last step's dQ
+        CUTE_UNROLL
+        for (int j = 0; j < size(acc_dq) / 4; ++j)
+          dq_stage[dq_index<Traits>(4 * j, tid) / 4] =
+              make_float4(acc_dq(4 * j), acc_dq(4 * j + 1), acc_dq(4 * j + 2), acc_dq(4 * j + 3));
+        cutlass::arch::fence_view_async_shared();  // read next by the bulk reduce-add
+        shared.dq_full.arrive();
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_dk);
+        warpgroup_fence_operand(rdS);
+        pipeline_q.consumer_release(st_q);
+        ++st_q;
+      }
+    }
+  }
+};
+
+}  // namespace cutlass_flash::sm90

@@ -1,0 +1,144 @@
+// Compile-time configuration of the sm90 backward kernel: warpgroup roles, wgmma tiled MMAs,
+// shared-memory layouts, TMA copy types, pipelines and the shared-storage struct.
+//
+// A block owns kBlockN keys, 64 per consumer warpgroup, and walks the query blocks that see them.
+// Per query block every warpgroup computes its keys' S^T = K Q^T and dP^T = V dO^T (keys as the
+// wgmma M dimension, FlashAttention-3's "swapAB"), so that P^T and dS^T come out of the
+// accumulators already in the register layout of the A operand of dV += P^T dO and dK += dS^T Q:
+// neither goes through shared memory. dS^T is also stored to shared memory for dQ = dS K, which
+// the warpgroups split along the head dim.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/gemm/collective/builders/sm90_common.inl>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "cutlass_flash/params.h"
+#include "kernels/sm90/utils.h"
+
+namespace cutlass_flash::sm90 {
+
+using namespace cute;
+
+template <int kHeadDim_, int kBlockM_, int kNMmaWarpGroups_, int kStages_, typename Element_>
+struct BwdTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kStages = kStages_;
+  static constexpr int kNMmaWarpGroups = kNMmaWarpGroups_;
+  static constexpr int kBlockN = 64 * kNMmaWarpGroups;
+  static constexpr int kNMmaThreads = kNMmaWarpGroups * 128;
+  static constexpr int kNThreads = kNMmaThreads + 128;
+  static_assert(kNMmaWarpGroups == 2 || kNMmaWarpGroups == 3);
+  static_assert(kBlockM % 64 == 0 && kHeadDim % (16 * kNMmaWarpGroups) == 0);
+  // setmaxnreg: 2 consumer warpgroups 128 x 32 + 256 x 240 = 65536 registers, the whole file
+  // (the load thread spilled at 24, the forward's producer budget).
+  static constexpr int kProducerRegs = 32;
+  static constexpr int kConsumerRegs = kNMmaWarpGroups == 2 ? 240 : 160;
+
+  using WarpGroupsAlongM = Layout<Shape<Int<kNMmaWarpGroups>, _1, _1>>;
+  using WarpGroupsAlongN = Layout<Shape<_1, Int<kNMmaWarpGroups>, _1>>;
+  // S^T = K Q^T and dP^T = V dO^T: (M = keys, N = queries, K = d), both operands K-major.
+  using TiledMmaSdP = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockM>, Int<kHeadDim>>>(), WarpGroupsAlongM{}));
+  // dV += P^T dO and dK += dS^T Q: (M = keys, N = d, K = queries), A from registers, B (dO, Q)
+  // read transposed from their (query, d) tiles.
+  using TiledMmadKV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockM>>, GMMA::Major::K,
+                           GMMA::Major::MN>(),
+      WarpGroupsAlongM{}));
+  // dQ = dS K: (M = queries, N = d, K = keys); warpgroup w computes columns [w d / W, (w + 1) d / W).
+  static constexpr int kdQCols = kHeadDim / kNMmaWarpGroups;
+  using TiledMmadQ = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kdQCols>, Int<kBlockN>>, GMMA::Major::MN,
+                           GMMA::Major::MN>(),
+      WarpGroupsAlongN{}));
+  static_assert(size<1>(typename TiledMmaSdP::AtomShape_MNK{}) == kBlockM &&
+                    size<1>(typename TiledMmadKV::AtomShape_MNK{}) == kHeadDim &&
+                    size<1>(typename TiledMmadQ::AtomShape_MNK{}) == kdQCols,
+                "one wgmma per k16 slice: define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED before any "
+                "CUTLASS header (the generated translation units do)");
+
+  template <GMMA::Major kMajor, int kRows, int kCols>
+  using SmemAtom = decltype(cutlass::gemm::collective::detail::ss_smem_selector<kMajor, Element, Int<kRows>, Int<kCols>>());
+  // K and V: (key, d), K-major A operands of S^T / dP^T; K also the MN-major B operand of dQ.
+  using SmemLayoutKV = decltype(tile_to_shape(SmemAtom<GMMA::Major::K, kBlockN, kHeadDim>{},
+                                              Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  using SmemLayoutKt = decltype(composition(
+      SmemLayoutKV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Step<_2, _1>{})));
+  // Q and dO: (query, d, stage), K-major B operands of S^T / dP^T, and read transposed as the
+  // MN-major B operands of dK / dV.
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom<GMMA::Major::K, kBlockM, kHeadDim>{},
+                                             Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutQt = decltype(composition(
+      SmemLayoutQ{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+  // dS: (query, key, buffer), the MN-major A operand of dQ; written through its transpose dS^T
+  // (key, query), where each thread's accumulator pairs are two consecutive queries. Two
+  // buffers: a warpgroup writes step i + 1's dS while another may still read step i's.
+  static constexpr int kdSBuffers = 2;
+  using SmemLayoutdS = decltype(tile_to_shape(SmemAtom<GMMA::Major::MN, kBlockM, kBlockN>{},
+                                              Shape<Int<kBlockM>, Int<kBlockN>, Int<kdSBuffers>>{}));
+  using SmemLayoutdSt = decltype(composition(
+      SmemLayoutdS{}, make_ordered_layout(Shape<Int<kBlockN>, Int<kBlockM>, Int<kdSBuffers>>{}, Step<_2, _1, _3>{})));
+
+  static constexpr int kQElems = cosize_v<SmemLayoutQ>, kKVElems = cosize_v<SmemLayoutKV>;
+  // dQ of one step in fp32, thread-major (dq_index), reduced into the workspace by one bulk add.
+  static constexpr int kdQElems = kBlockM * kHeadDim;
+  static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kRowStatBytes = kBlockM * sizeof(float);  // LSE or D of one query block
+  static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(Element);
+
+  using GmemLayout = Layout<Shape<int32_t, int32_t, int32_t, int32_t>, Stride<int64_t, _1, int64_t, int64_t>>;
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}),
+                                      take<0, 2>(SmemLayoutQ{}), Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
+  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}),
+                                       SmemLayoutKV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+
+  // Q with its LSE, dO with its D: one pipeline stage each.
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+
+  struct SharedStorage {
+    cute::array_aligned<Element, kKVElems, 1024> k;
+    cute::array_aligned<Element, kKVElems, 1024> v;
+    cute::array_aligned<Element, kQElems, 1024> q;
+    cute::array_aligned<Element, kQElems, 1024> dout;
+    cute::array_aligned<Element, cosize_v<SmemLayoutdS>, 1024> ds;
+    cute::array_aligned<float, kdQElems, 128> dq;
+    cute::array_aligned<float, kBlockM * kStages, 128> lse_log2;
+    cute::array_aligned<float, kBlockM * kStages, 128> dpsum;
+    typename Pipeline::SharedStorage pipeline_q;
+    typename Pipeline::SharedStorage pipeline_do;
+    cutlass::arch::ClusterTransactionBarrier kv_full;
+    // The dQ of a step: staged by the consumers (dq_full, every consumer thread arrives), added to
+    // the workspace by the producer's dQ thread (dq_empty once the bulk add has read it).
+    cutlass::arch::ClusterBarrier dq_full;
+    cutlass::arch::ClusterBarrier dq_empty;
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024, "sm90 backward tile does not fit in shared memory");
+};
+
+// Named barriers of the consumer warpgroups (ids after CUTLASS's reserved ones).
+enum class BwdBarrier : int {
+  kdSReady = 0,  // every warpgroup's dS^T of the step is in shared memory
+};
+
+// Kernel parameters: the library's plain BwdParams plus the TMA descriptors built from them.
+template <typename Traits>
+struct BwdKernelParams {
+  AttnProblem problem;
+  TensorRef4 dk, dv;
+  float* dq_accum;       // workspace arrays (generated/bwd_workspace.h), rows rounded per (batch, head)
+  const float* dpsum;
+  const float* lse_log2;
+  int* dq_semaphore;     // null unless deterministic
+  int64_t seqlen_q_rounded;
+  typename Traits::TmaQ tma_q;
+  typename Traits::TmaQ tma_do;
+  typename Traits::TmaKV tma_k;
+  typename Traits::TmaKV tma_v;
+};
+
+}  // namespace cutlass_flash::sm90
