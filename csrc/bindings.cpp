@@ -112,7 +112,7 @@ void bwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, con
          uintptr_t lse, const Tensor& dq, const Tensor& dk, const Tensor& dv, uintptr_t workspace,
          int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_kv, int head_dim,
          float softmax_scale, int window_left, int window_right, const std::string& dtype, int arch,
-         uintptr_t stream) {
+         bool deterministic, uintptr_t stream) {
   BwdParams params;
   set_common(params, q, k, v, o, workspace,
              problem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, softmax_scale,
@@ -122,6 +122,7 @@ void bwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, con
   params.dq = tensor(dq);
   params.dk = tensor(dk);
   params.dv = tensor(dv);
+  params.deterministic = deterministic;
   run_without_gil([&] { return run_bwd(params, arch, as_stream(stream)); });
 }
 
@@ -129,11 +130,18 @@ void bwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, con
 template <Direction kDir>
 size_t workspace_bytes(int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_kv,
                        int head_dim, float softmax_scale, int window_left, int window_right,
-                       const std::string& dtype, int arch) {
+                       const std::string& dtype, int arch, bool deterministic) {
   const AttnProblem p = problem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim,
                                 softmax_scale, window_left, window_right, dtype);
   check(dispatch::check_problem(p, arch, kDir));
-  return kDir == Direction::kForward ? fwd_workspace_bytes(p, arch) : bwd_workspace_bytes(p, arch);
+  return kDir == Direction::kForward ? fwd_workspace_bytes(p, arch) : bwd_workspace_bytes(p, arch, deterministic);
+}
+
+size_t fwd_workspace_bytes_py(int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_kv, int head_dim,
+                              float softmax_scale, int window_left, int window_right, const std::string& dtype,
+                              int arch) {
+  return workspace_bytes<Direction::kForward>(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim,
+                                              softmax_scale, window_left, window_right, dtype, arch, false);
 }
 
 py::list built() {
@@ -172,13 +180,16 @@ PYBIND11_MODULE(_C, m) {
         "Asynchronous.");
   m.def("bwd", &bwd, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"), py::arg("dout"),
         py::arg("lse_ptr"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("workspace_ptr"),
-        py::kw_only(), CUTLASS_FLASH_PROBLEM_ARGS, py::arg("arch"), py::arg("stream"),
-        "Backward pass. dk/dv are per query head (batch, seqlen_k, nheads, head_dim); "
-        "workspace_ptr: bwd_workspace_bytes(...) bytes, 256-byte aligned, need not be zeroed.");
-  m.def("fwd_workspace_bytes", &workspace_bytes<Direction::kForward>, py::kw_only(),
+        py::kw_only(), CUTLASS_FLASH_PROBLEM_ARGS, py::arg("arch"), py::arg("deterministic"),
+        py::arg("stream"),
+        "Backward pass. dq/dk/dv shaped like q/k/v (dk/dv per kv head); "
+        "workspace_ptr: bwd_workspace_bytes(...) bytes, 256-byte aligned, need not be zeroed; "
+        "deterministic: dQ accumulated in a fixed order.");
+  m.def("fwd_workspace_bytes", &fwd_workspace_bytes_py, py::kw_only(),
         CUTLASS_FLASH_PROBLEM_ARGS, py::arg("arch"), "Scratch bytes fwd needs for this problem.");
   m.def("bwd_workspace_bytes", &workspace_bytes<Direction::kBackward>, py::kw_only(),
-        CUTLASS_FLASH_PROBLEM_ARGS, py::arg("arch"), "Scratch bytes bwd needs for this problem.");
+        CUTLASS_FLASH_PROBLEM_ARGS, py::arg("arch"), py::arg("deterministic"),
+        "Scratch bytes bwd needs for this problem.");
 #undef CUTLASS_FLASH_PROBLEM_ARGS
   m.def("built_kernels", &built,
         "The instantiations of this build: [(arch, 'fwd'|'bwd', head_dim, 'fp16'|'bf16')].");

@@ -65,6 +65,14 @@ class Family:
     sass_allowed: Tuple[str, ...]
     # Macros defined at the top of each translation unit, before any CUTLASS header.
     defines: Tuple[str, ...] = ()
+    # Head dims of the backward when it covers fewer than `head_dims`; the others run on another
+    # family's backward (cutlass_flash/_dispatch.py: FALLBACK_ARCH).
+    bwd_head_dims: Optional[Tuple[int, ...]] = None
+
+    def head_dims_for(self, direction: str) -> Tuple[int, ...]:
+        if direction == "bwd" and self.bwd_head_dims is not None:
+            return self.bwd_head_dims
+        return self.head_dims
 
     @property
     def namespace(self) -> str:
@@ -88,9 +96,12 @@ FAMILIES: Tuple[Family, ...] = (
     # exist only in the arch-specific sm_90a target.
     # CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED: wgmma atoms with N = 80, 112, ... (else CuTe splits
     # an N = 80 GEMM into five 64x16 atoms).
+    # Backward up to d = 128: its consumer warpgroups keep their keys' dK and dV in registers
+    # (2 x 64 x d fp32 per warpgroup, d registers a thread), which d = 192/256 exceed; those run
+    # on the sm80 backward (sm90/tile_config.h).
     Family(arch=90, directions=("fwd", "bwd"), head_dims=HEAD_DIMS,
            sass_default=("90a",), sass_allowed=("90a",),
-           defines=("CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",)),
+           defines=("CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",), bwd_head_dims=(64, 96, 128)),
 )
 FAMILY_BY_ARCH: Dict[int, Family] = {f.arch: f for f in FAMILIES}
 
@@ -194,6 +205,31 @@ CUTLASS_FLASH_HOST_DEVICE inline BwdWorkspace bwd_workspace_layout(const AttnPro
 
 BWD_WORKSPACE_HEADER = "bwd_workspace.h"
 
+# The Python package's copy of the catalogue (families, directions, head dims, dtypes), written
+# here so that cutlass_flash/_dispatch.py and the tests read the generator's table, not a list of
+# their own (tests/test_generator.py checks it is current).
+PY_CATALOG = CSRC.parent / "cutlass_flash" / "_catalog.py"
+
+
+def python_catalog() -> str:
+    fams = "".join(
+        f"    {f.arch}: {{{', '.join(repr(d) + ': ' + repr(f.head_dims_for(d)) for d in f.directions)}}},\n"
+        for f in FAMILIES)
+    return f"""# {MARKER[3:]}
+\"\"\"The kernel catalogue of csrc/generate.py: what each family can be built with.\"\"\"
+
+#: Instantiated head dims (other multiples of 8 up to the largest are zero-padded).
+HEAD_DIMS = {HEAD_DIMS!r}
+
+#: dtype names, as the binding spells them.
+DTYPES = {tuple(DTYPES)!r}
+
+#: family arch -> {{direction: head dims}}.
+FAMILIES = {{
+{fams}}}
+"""
+
+
 
 class KnobError(ValueError):
     """A build knob (environment variable) has a value the build cannot honour."""
@@ -248,7 +284,7 @@ class Instantiation:
 def all_instantiations() -> List[Instantiation]:
     """Every instantiation the generator knows, in a fixed order (gencode not filled in)."""
     return [Instantiation(f.arch, d, hd, dt)
-            for f in FAMILIES for d in f.directions for hd in f.head_dims for dt in DTYPES]
+            for f in FAMILIES for d in f.directions for hd in f.head_dims_for(d) for dt in DTYPES]
 
 
 def translation_unit(inst: Instantiation) -> str:
@@ -482,6 +518,8 @@ def write_generated(out_dir: Path = GENERATED_DIR,
             changed.append(p)
     if write_if_changed(out_dir / BWD_WORKSPACE_HEADER, bwd_workspace_header()):
         changed.append(out_dir / BWD_WORKSPACE_HEADER)
+    if out_dir == GENERATED_DIR and write_if_changed(PY_CATALOG, python_catalog()):
+        changed.append(PY_CATALOG)
     if prune:
         keep = {i.filename for i in all_instantiations()}
         for p in sorted(out_dir.glob("*.cu")):

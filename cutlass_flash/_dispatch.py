@@ -19,17 +19,20 @@ except ImportError as _e:  # pragma: no cover - depends on the build
 
 ENV_FORCE_ARCH = "CUTLASS_FLASH_FORCE_ARCH"
 
-#: Kernel families: 80 = Ampere-style (FlashAttention-2, mma.sync; runs on sm80 and newer),
-#: 90 = Hopper (wgmma/TMA; runs on sm90 only).
-ARCHS = (80, 90)
+from ._catalog import FAMILIES, HEAD_DIMS
 
-#: Directions each family has kernels for (csrc/generate.py's FAMILIES; a test keeps them equal).
-#: A direction a family lacks runs on FALLBACK_ARCH: the backward of an sm90 forward is sm80's.
-FAMILY_DIRECTIONS = {80: ("fwd", "bwd"), 90: ("fwd",)}
+#: Kernel families: 80 = Ampere-style (FlashAttention-2, mma.sync; runs on sm80 and newer),
+#: 90 = Hopper (wgmma/TMA; runs on sm90 only). From the generator's catalogue (_catalog.py).
+ARCHS = tuple(FAMILIES)
+
+#: Directions each family has kernels for.
+FAMILY_DIRECTIONS = {arch: tuple(dirs) for arch, dirs in FAMILIES.items()}
+#: A (direction, head dim) a family lacks runs on FALLBACK_ARCH: the sm90 backward at
+#: d = 192/256 is sm80's.
 FALLBACK_ARCH = 80
 
 #: Head dims that have kernels. Other multiples of 8 up to 256 are zero-padded to the next one.
-INSTANTIATED_HEAD_DIMS = (64, 96, 128, 192, 256)
+INSTANTIATED_HEAD_DIMS = HEAD_DIMS
 MAX_HEAD_DIM = INSTANTIATED_HEAD_DIMS[-1]
 
 #: torch dtype -> the binding's dtype name.
@@ -218,14 +221,14 @@ def resolve_arch(requested, direction, head_dim, dtype_name, device):
     """The kernel family to run: ``requested`` (80 or 90) or, for 0, auto.
 
     Auto is 90 on an sm90 GPU when this build has the sm90 kernel for (direction, head_dim,
-    dtype), else 80. A family with no kernels of ``direction`` at all (sm90 backward) is replaced
-    by FALLBACK_ARCH, forced or not. Raises ValueError (not a CUDA device / bad request), RuntimeError (GPU too
+    dtype), else 80. A family with no kernel of ``direction`` for ``head_dim`` (the sm90 backward
+    at d = 192/256) is replaced by FALLBACK_ARCH, forced or not. Raises ValueError (not a CUDA device / bad request), RuntimeError (GPU too
     old, or sm90 kernels forced on a GPU that is not sm90), NotImplementedError (not built).
     ``head_dim`` is the instantiated (padded) head dim.
     """
     cap = check_capability(device)
     built = built_kernel_set()
-    if requested in FAMILY_DIRECTIONS and direction not in FAMILY_DIRECTIONS[requested]:
+    if requested in FAMILIES and head_dim not in FAMILIES[requested].get(direction, ()):
         requested = FALLBACK_ARCH
     if requested == 0:
         if cap[0] == 9 and (90, direction, head_dim, dtype_name) in built:

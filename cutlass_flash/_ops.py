@@ -2,14 +2,17 @@
 
 Ops (visible to torch.compile as single nodes, with fake and autograd implementations):
 
-  cutlass_flash::fwd(q, k, v, softmax_scale, window_left, window_right, arch) -> (out, lse)
-  cutlass_flash::bwd(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch)
-      -> (dq, dk, dv)
+  cutlass_flash::fwd(q, k, v, softmax_scale, window_left, window_right, arch, deterministic)
+      -> (out, lse)
+  cutlass_flash::bwd(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch,
+                     deterministic) -> (dq, dk, dv)
 
 q: (batch, seqlen_q, nheads, head_dim); k, v: (batch, seqlen_k, nheads_kv, head_dim); last dim
 contiguous. out: like q (contiguous); lse: float32 (batch, nheads, seqlen_q), natural log, +inf for
-rows that see no key. dq, dk, dv: contiguous, shaped like q, k, v. The window is relative to the
-bottom-right-aligned diagonal: (-1, -1) no mask, (-1, 0) causal. arch: kernel family, 0 = auto.
+rows that see no key. dq, dk, dv: contiguous, shaped like q, k, v (the kernels sum the dK/dV of a
+GQA group). The window is relative to the bottom-right-aligned diagonal: (-1, -1) no mask, (-1, 0)
+causal. arch: kernel family, 0 = auto. deterministic: the backward accumulates dQ in a fixed
+order (the forward only carries it to its autograd context).
 Head dims that are not instantiated are zero-padded here and the results sliced back.
 
 flash_attn_func runs the ops' implementations directly when nothing traces the call (plain
@@ -51,7 +54,7 @@ def _pad(t, pad):
     return F.pad(t, (0, pad)) if pad else t
 
 
-def _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch):
+def _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, deterministic=False):
     _validate.check_op_tensors(q, k, v)
     batch, seqlen_q, nheads, head_dim = q.shape
     padded = _dispatch.padded_head_dim(head_dim)
@@ -94,19 +97,21 @@ def fwd_op(
     window_left: int,
     window_right: int,
     arch: int,
+    deterministic: bool,
 ) -> tuple[_Tensor, _Tensor]:
     return _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch)
 
 
 @fwd_op.register_fake
-def _fwd_fake(q, k, v, softmax_scale, window_left, window_right, arch):
+def _fwd_fake(q, k, v, softmax_scale, window_left, window_right, arch, deterministic):
     batch, seqlen_q, nheads, head_dim = q.shape
     out = q.new_empty((batch, seqlen_q, nheads, head_dim))
     lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
     return out, lse
 
 
-def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch):
+def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch,
+              deterministic):
     # dout comes from autograd in any layout (e.g. expanded, with stride 0): copy if needed.
     if not _validate.is_kernel_layout(dout):
         dout = dout.clone(memory_format=torch.contiguous_format)
@@ -131,11 +136,12 @@ def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
     lse = lse.contiguous()
     problem = _problem(q, k, padded, softmax_scale, window_left, window_right, dtype_name)
     dq = torch.empty((batch, seqlen_q, nheads, padded), dtype=q.dtype, device=device)
-    # The kernel writes dK and dV per query head; GQA/MQA groups are summed below.
-    dk = torch.empty((batch, seqlen_k, nheads, padded), dtype=q.dtype, device=device)
+    dk = torch.empty((batch, seqlen_k, nheads_kv, padded), dtype=q.dtype, device=device)
     dv = torch.empty_like(dk)
     workspace = torch.empty(
-        C.bwd_workspace_bytes(**problem, arch=arch), dtype=torch.uint8, device=device
+        C.bwd_workspace_bytes(**problem, arch=arch, deterministic=deterministic),
+        dtype=torch.uint8,
+        device=device,
     )
     _dispatch.launch(
         C.bwd,
@@ -152,17 +158,11 @@ def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
         workspace.data_ptr(),
         **problem,
         arch=arch,
+        deterministic=deterministic,
         stream=_dispatch.current_stream(device),
     )
     if pad:
-        dq = dq[..., :head_dim].contiguous()
-    if nheads_kv != nheads:
-        group = nheads // nheads_kv
-        dk = dk.view(batch, seqlen_k, nheads_kv, group, padded)[..., :head_dim].sum(3)
-        dv = dv.view(batch, seqlen_k, nheads_kv, group, padded)[..., :head_dim].sum(3)
-    elif pad:
-        dk = dk[..., :head_dim].contiguous()
-        dv = dv[..., :head_dim].contiguous()
+        dq, dk, dv = (t[..., :head_dim].contiguous() for t in (dq, dk, dv))
     return dq, dk, dv
 
 
@@ -178,22 +178,26 @@ def bwd_op(
     window_left: int,
     window_right: int,
     arch: int,
+    deterministic: bool,
 ) -> tuple[_Tensor, _Tensor, _Tensor]:
-    return _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch)
+    return _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch,
+                     deterministic)
 
 
 @bwd_op.register_fake
-def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch):
+def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch,
+              deterministic):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, window_left, window_right, arch = inputs
+    q, k, v, softmax_scale, window_left, window_right, arch, deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.softmax_scale = softmax_scale
     ctx.window = (window_left, window_right)
     ctx.arch = arch
+    ctx.deterministic = deterministic
     # Gradients do not flow through the log-sum-exp (as in FlashAttention), and its (absent)
     # gradient is not materialized as zeros.
     ctx.mark_non_differentiable(lse)
@@ -205,8 +209,9 @@ def _backward_with(bwd):
         q, k, v, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = bwd(dout, q, k, v, out, lse, ctx.softmax_scale, *ctx.window, ctx.arch)
-        return dq, dk, dv, None, None, None, None
+        dq, dk, dv = bwd(dout, q, k, v, out, lse, ctx.softmax_scale, *ctx.window, ctx.arch,
+                         ctx.deterministic)
+        return dq, dk, dv, None, None, None, None, None
 
     return backward
 
@@ -222,9 +227,11 @@ class _EagerAttention(torch.autograd.Function):
     machine; PERFLOG.md entry 17); torch.compile and other tracing still see the ops."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, window_left, window_right, arch):
+    def forward(ctx, q, k, v, softmax_scale, window_left, window_right, arch, deterministic):
         out, lse = _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch)
-        _setup_context(ctx, (q, k, v, softmax_scale, window_left, window_right, arch), (out, lse))
+        _setup_context(
+            ctx, (q, k, v, softmax_scale, window_left, window_right, arch, deterministic), (out, lse)
+        )
         return out, lse
 
     backward = staticmethod(_backward_with(_bwd_impl))
@@ -241,7 +248,8 @@ def _plain_eager(q, k, v):
     )
 
 
-def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False):
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, deterministic=False,
+                    return_lse=False):
     """Exact attention with FlashAttention kernels (CUTLASS/CuTe, sm80 and sm90 families).
 
     Args:
@@ -253,6 +261,9 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False)
         causal: causal mask aligned to the bottom-right corner of the attention matrix (as in
             FlashAttention 2): query i sees keys j <= i + seqlen_k - seqlen_q. Query rows that see
             no key (seqlen_q > seqlen_k) give out = 0, lse = +inf and zero gradients.
+        deterministic: the backward accumulates dQ in a fixed order, so gradients are
+            bit-identical from run to run (and for a sequence alone or inside a batch); slower
+            (README.md gives the measured cost). dK/dV are deterministic either way.
         return_lse: also return the log-sum-exp of the scaled scores.
 
     Returns:
@@ -264,7 +275,9 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False)
     """
     _validate.check_inputs(q, k, v)
     scale = _validate.check_softmax_scale(softmax_scale, q.shape[3])
-    args = (q, k, v, scale, -1, 0 if causal else -1, _dispatch._forced_arch)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    args = (q, k, v, scale, -1, 0 if causal else -1, _dispatch._forced_arch, deterministic)
     if not _plain_eager(q, k, v):
         out, lse = _fwd(*args)
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):

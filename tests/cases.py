@@ -26,7 +26,7 @@ def full_grid(config):
 
 
 SEQLENS = (1, 17, 113, 239, 1023, 1024, 2047, 4097)
-INSTANTIATED_HEAD_DIMS = (64, 96, 128, 192, 256)
+from cutlass_flash._catalog import HEAD_DIMS as INSTANTIATED_HEAD_DIMS
 PADDED_HEAD_DIMS = (40, 72, 200)  # not instantiated: exercise zero-padding
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 LAYOUTS = ("contiguous", "qkvpacked", "kvpacked", "bhsd", "strided")
@@ -103,8 +103,9 @@ def missing_kernels(case):
     hd = cutlass_flash.padded_head_dim(case.head_dim)
     from cutlass_flash import _dispatch
 
-    dirs = _dispatch.FAMILY_DIRECTIONS.get(case.arch, ("fwd", "bwd"))
-    arch = {d: case.arch if d in dirs else _dispatch.FALLBACK_ARCH for d in ("fwd", "bwd")}
+    dims = _dispatch.FAMILIES.get(case.arch, {})
+    arch = {d: case.arch if hd in dims.get(d, (hd,)) else _dispatch.FALLBACK_ARCH
+            for d in ("fwd", "bwd")}
     need = [(arch[d], d, hd, case.dtype) for d in ("fwd", "bwd")]
     return [k for k in need if k not in built]
 

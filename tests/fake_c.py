@@ -14,15 +14,33 @@ import torch
 from attn_ref import attention_probs, attention_ref
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-INSTANTIATED = (64, 96, 128, 192, 256)
+
+
+def _generator():
+    """csrc/generate.py, the source of the backward workspace table the C++ layout is written
+    from."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    name = "cutlass_flash_generate"
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parent.parent / "csrc" / "generate.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+from cutlass_flash._catalog import HEAD_DIMS as INSTANTIATED
 
 
 def all_kernels(archs=(80, 90), head_dims=INSTANTIATED, dtypes=("fp16", "bf16")):
-    from cutlass_flash._dispatch import FAMILY_DIRECTIONS
+    from cutlass_flash._catalog import FAMILIES
 
     return [
         (a, d, h, t)
-        for a in archs for d in FAMILY_DIRECTIONS[a] for h in head_dims for t in dtypes
+        for a in archs for d, dims in FAMILIES[a].items() for h in head_dims if h in dims
+        for t in dtypes
     ]
 
 
@@ -64,10 +82,12 @@ class FakeC:
     def built_kernels(self):
         return list(self.built)
 
-    def bwd_workspace_bytes(self, **kw):
+    def bwd_workspace_bytes(self, deterministic, **kw):
         p = self._problem("bwd", kw, check_built=False)
-        rows = p["batch"] * p["nheads"] * ((p["seqlen_q"] + 127) // 128 * 128)
-        return rows * (p["head_dim"] + 1) * 4
+        assert isinstance(deterministic, bool)
+        return _generator().bwd_workspace_bytes(
+            p["batch"], p["nheads"], p["seqlen_q"], p["head_dim"], deterministic
+        )
 
     def fwd_workspace_bytes(self, **kw):
         p = self._problem("fwd", kw, check_built=False)
@@ -89,8 +109,9 @@ class FakeC:
         Out.copy_(out)
         lse.copy_(lse_ref)
 
-    def bwd(self, q, k, v, o, dout, lse_ptr, dq, dk, dv, workspace_ptr, **kw):
+    def bwd(self, q, k, v, o, dout, lse_ptr, dq, dk, dv, workspace_ptr, deterministic, **kw):
         p = self._problem("bwd", kw)
+        assert isinstance(deterministic, bool)
         dtype = DTYPES[p["dtype"]]
         Q, K, V, _, dO, dQ, dK, dV = self._tensors(
             p, dtype, q=q, k=k, v=v, o=o, dout=dout, dq=dq, dk=dk, dv=dv
@@ -98,8 +119,8 @@ class FakeC:
         # The CUDA caching allocator gives 512-byte alignment; the CPU allocator 64 bytes.
         assert workspace_ptr % 64 == 0 and workspace_ptr != 0, "workspace must be aligned"
         group = p["nheads"] // p["nheads_kv"]
-        # Per query head dK/dV: the gradients with respect to K and V expanded to nheads,
-        # written out by hand (the op runs below autograd, so no autograd here).
+        # dK/dV per kv head: the gradients with respect to K and V expanded to nheads, then summed
+        # over each group, written out by hand (the op runs below autograd, so no autograd here).
         scale = p["softmax_scale"]
         q64 = Q.double()
         k64 = K.double().repeat_interleave(group, dim=2)
@@ -111,9 +132,10 @@ class FakeC:
         ds = probs * (dp - (probs * dp).sum(-1, keepdim=True))
         gq = torch.einsum("bhts,bshd->bthd", ds, k64) * scale
         gk = torch.einsum("bhts,bthd->bshd", ds, q64) * scale
+        B, Sk, H, D = gk.shape
         dQ.copy_(gq)
-        dK.copy_(gk)
-        dV.copy_(gv)
+        dK.copy_(gk.view(B, Sk, H // group, group, D).sum(3))
+        dV.copy_(gv.view(B, Sk, H // group, group, D).sum(3))
 
     # -- checks ---------------------------------------------------------------------------------
     _KEYS = ("batch", "seqlen_q", "seqlen_k", "nheads", "nheads_kv", "head_dim", "softmax_scale",
@@ -144,7 +166,7 @@ class FakeC:
         shapes = {
             "q": (B, Sq, H, D), "o": (B, Sq, H, D), "dout": (B, Sq, H, D), "dq": (B, Sq, H, D),
             "k": (B, Sk, Hkv, D), "v": (B, Sk, Hkv, D),
-            "dk": (B, Sk, H, D), "dv": (B, Sk, H, D),  # per query head
+            "dk": (B, Sk, Hkv, D), "dv": (B, Sk, Hkv, D),
         }
         out = []
         for name, ref in refs.items():

@@ -19,9 +19,9 @@ def poison_cuda_cache(case, device="cuda", copies=3):
     sizes = {
         2 * B * Sq * H * hd,   # out, dq (padded)
         4 * B * H * Sq,        # lse
-        2 * B * Sk * H * hd,   # dk, dv per query head (padded)
+        2 * B * Sk * Hkv * hd,  # dk, dv (padded)
         2 * B * Sq * H * D,    # out, dq (sliced)
-        2 * B * Sk * Hkv * D,  # dk, dv (summed / sliced)
+        2 * B * Sk * Hkv * D,  # dk, dv (sliced)
     }
     blocks = [torch.full((n,), 0xFF, dtype=torch.uint8, device=device)
               for n in sorted(sizes) for _ in range(copies)]

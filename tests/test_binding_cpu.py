@@ -4,6 +4,8 @@ the kernel list, errors. Skipped when cutlass_flash._C is not built."""
 import types
 
 import pytest
+
+import fake_c
 import torch
 
 import cutlass_flash
@@ -40,13 +42,19 @@ def _a_built_kernel(direction):
 
 def test_workspace_bytes_takes_our_kwargs():
     C = _dispatch.lib()
+    gen = fake_c._generator()
     for arch, direction, head_dim, dtype in cutlass_flash.built_kernels():
-        n = getattr(C, f"{direction}_workspace_bytes")(**_problem(head_dim, dtype), arch=arch)
-        # the sm90 forward needs its tile counter; the sm80 forward no scratch; backward its
-        # dQ accumulator
-        expected = (lambda n: n == 16) if (arch, direction) == (90, "fwd") else (
-            (lambda n: n == 0) if direction == "fwd" else (lambda n: n > 0))
-        assert isinstance(n, int) and expected(n), (arch, direction, n)
+        p = _problem(head_dim, dtype)
+        if direction == "fwd":
+            # the sm90 forward needs its tile counter; the sm80 forward no scratch
+            n = C.fwd_workspace_bytes(**p, arch=arch)
+            assert isinstance(n, int) and n == (16 if arch == 90 else 0), (arch, n)
+            continue
+        # the backward's: the generator's table, which the C++ layout is written from
+        for deterministic in (False, True):
+            n = C.bwd_workspace_bytes(**p, arch=arch, deterministic=deterministic)
+            assert n == gen.bwd_workspace_bytes(p["batch"], p["nheads"], p["seqlen_q"], head_dim,
+                                                deterministic), (arch, deterministic, n)
 
 
 def test_fwd_and_bwd_take_our_kwargs():
@@ -60,7 +68,7 @@ def test_fwd_and_bwd_take_our_kwargs():
         arch, _, head_dim, dtype = _a_built_kernel("bwd")
         with pytest.raises(ValueError):
             C.bwd(NULL, NULL, NULL, NULL, NULL, 0, NULL, NULL, NULL, 0,
-                  **_problem(head_dim, dtype), arch=arch, stream=0)
+                  **_problem(head_dim, dtype), arch=arch, deterministic=False, stream=0)
 
 
 def test_binding_rejects_bad_problems():
@@ -68,6 +76,7 @@ def test_binding_rejects_bad_problems():
     arch, _, head_dim, dtype = _a_built_kernel("fwd")
     for change in (dict(dtype="fp32"), dict(nheads_kv=3), dict(seqlen_q=0)):
         with pytest.raises(ValueError):
-            C.bwd_workspace_bytes(**{**_problem(head_dim, dtype), **change}, arch=arch)
+            C.bwd_workspace_bytes(**{**_problem(head_dim, dtype), **change}, arch=arch,
+                                  deterministic=False)
         with pytest.raises(ValueError):
             C.fwd_workspace_bytes(**{**_problem(head_dim, dtype), **change}, arch=arch)

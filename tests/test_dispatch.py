@@ -57,8 +57,7 @@ def test_resolve_arch(fake_backend, cap, requested, built_archs, expected):
     fake_backend.set_built([k for k in fake_backend.built if k[0] in built_archs])
     for direction in ("fwd", "bwd"):
         got = _dispatch.resolve_arch(requested, direction, 128, "bf16", torch.device("cpu"))
-        # The sm90 family has no backward: the backward of an sm90 forward is sm80's.
-        assert got == (expected if direction == "fwd" else 80)
+        assert got == expected
 
 
 @pytest.mark.parametrize("cap", [(8, 0), (8, 6), (10, 0)])
@@ -73,7 +72,7 @@ def test_resolve_arch_rejects_unknown_family(fake_backend):
     with pytest.raises(ValueError, match="arch must be"):
         _dispatch.resolve_arch(70, "fwd", 64, "fp16", torch.device("cpu"))
     with pytest.raises(ValueError):
-        torch.ops.cutlass_flash.fwd(*_qkv(), 0.1, -1, -1, 75)
+        torch.ops.cutlass_flash.fwd(*_qkv(), 0.1, -1, -1, 75, False)
 
 
 @pytest.mark.parametrize("arch", [80, 90])
@@ -81,13 +80,12 @@ def test_auto_and_forced_arch_reach_the_binding(fake_backend, arch):
     q, k, v = (t.requires_grad_() for t in _qkv())
     with cutlass_flash.force_arch(arch):
         out = flash_attn_func(q, k, v, causal=True)
-    # The backward runs outside the context and still uses the family of its forward, except that
-    # the sm90 family has no backward: sm80's runs.
+    # The backward runs outside the context and still uses the family of its forward.
     out.sum().backward()
-    assert fake_backend.archs_called() == [arch, 80]
+    assert fake_backend.archs_called() == [arch, arch]
     fake_backend.calls.clear()
     flash_attn_func(q, k, v).sum().backward()
-    assert fake_backend.archs_called() == [90, 80]  # auto on the fake sm90
+    assert fake_backend.archs_called() == [90, 90]  # auto on the fake sm90
 
 
 def test_auto_falls_back_per_direction(fake_backend):

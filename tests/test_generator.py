@@ -61,18 +61,33 @@ def test_default_selection():
 def test_default_selection_has_hopper_forward():
     insts = [i for i in gen.select(gen.Knobs.from_env({})) if i.arch == 90]
     assert sorted((i.direction, i.head_dim, i.dtype) for i in insts) == sorted(
-        ("fwd", hd, dt) for hd in (64, 96, 128, 192, 256) for dt in ("fp16", "bf16"))
+        [("fwd", hd, dt) for hd in (64, 96, 128, 192, 256) for dt in ("fp16", "bf16")]
+        + [("bwd", hd, dt) for hd in (64, 96, 128) for dt in ("fp16", "bf16")])
     for i in insts:  # wgmma and setmaxnreg exist only in sm_90a
         assert i.gencode == ("-gencode", "arch=compute_90a,code=sm_90a")
     text = gen.translation_unit(gen.Instantiation(90, "fwd", 64, "fp16"))
     assert "sm90::run_fwd<64, cutlass::half_t>(params, stream)" in text
 
 
-def test_python_family_directions_match_generator():
-    from cutlass_flash import _dispatch
+def test_python_catalog_is_the_generators():
+    from cutlass_flash import _catalog, _dispatch
 
+    assert (ROOT / "cutlass_flash" / "_catalog.py").read_text() == gen.python_catalog()
+    assert _catalog.FAMILIES == {f.arch: {d: f.head_dims_for(d) for d in f.directions}
+                                 for f in gen.FAMILIES}
     assert _dispatch.FAMILY_DIRECTIONS == {f.arch: tuple(f.directions) for f in gen.FAMILIES}
     assert set(_dispatch.ARCHS) == {f.arch for f in gen.FAMILIES}
+
+
+def test_backward_workspace_table():
+    """The generated C++ layout and the Python size come from one table and agree."""
+    assert (ROOT / "csrc" / "generated" / gen.BWD_WORKSPACE_HEADER).read_text() == \
+        gen.bwd_workspace_header()
+    # batch 2, 16 heads, 1000 rows -> 1024 rounded: dQ 128 floats + D + LSE per row, and one
+    # semaphore per 64 rows when deterministic.
+    rows = 2 * 16 * 1024
+    assert gen.bwd_workspace_bytes(2, 16, 1000, 128, False) == rows * 130 * 4
+    assert gen.bwd_workspace_bytes(2, 16, 1000, 128, True) == rows * 130 * 4 + rows // 64 * 4
 
 
 def test_restricted_selection():
@@ -118,7 +133,8 @@ def test_bad_knob_raises(env, match):
 
 
 def test_write_generated_is_idempotent_and_prunes(tmp_path):
-    assert len(gen.write_generated(tmp_path)) == len(gen.all_instantiations())
+    # One translation unit per instantiation, and the workspace header.
+    assert len(gen.write_generated(tmp_path)) == len(gen.all_instantiations()) + 1
     assert gen.write_generated(tmp_path) == []       # unchanged text: nothing rewritten
     stale = tmp_path / "fwd_sm80_hdim48_bf16.cu"
     stale.write_text(gen.MARKER + "\n")

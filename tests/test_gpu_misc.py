@@ -84,23 +84,18 @@ def test_binding_writes_every_element(case):
     C.fwd(_ops._ref4(q), _ops._ref4(k), _ops._ref4(v), _ops._ref4(out), lse.data_ptr(),
           fwd_workspace.data_ptr() if fwd_workspace.numel() else 0,
           **problem, arch=case.arch, stream=stream)
-    # The sm90 family has no backward: the op runs sm80's after an sm90 forward, and so does this.
-    bwd_arch = (case.arch if "bwd" in _dispatch.FAMILY_DIRECTIONS[case.arch]
-                else _dispatch.FALLBACK_ARCH)
     dq = torch.full_like(q, nan)
-    dk = torch.full((B, Sk, H, D), nan, dtype=q.dtype, device="cuda")  # per query head
+    dk = torch.full((B, Sk, Hkv, D), nan, dtype=q.dtype, device="cuda")
     dv = torch.full_like(dk, nan)
-    workspace = torch.full((C.bwd_workspace_bytes(**problem, arch=bwd_arch),), 0xFF,
-                           dtype=torch.uint8, device="cuda")
+    workspace = torch.full(
+        (C.bwd_workspace_bytes(**problem, arch=case.arch, deterministic=False),), 0xFF,
+        dtype=torch.uint8, device="cuda")
     C.bwd(_ops._ref4(q), _ops._ref4(k), _ops._ref4(v), _ops._ref4(out), _ops._ref4(dout),
           lse.data_ptr(), _ops._ref4(dq), _ops._ref4(dk), _ops._ref4(dv), workspace.data_ptr(),
-          **problem, arch=bwd_arch, stream=stream)
+          **problem, arch=case.arch, deterministic=False, stream=stream)
     torch.cuda.synchronize()
     for name, t in (("out", out), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
         assert not torch.isnan(t).any(), f"{name}: {int(torch.isnan(t).sum())} unwritten (NaN)"
-    g = H // Hkv
-    dk = dk.view(B, Sk, Hkv, g, D).sum(3)
-    dv = dv.view(B, Sk, Hkv, g, D).sum(3)
     ref = reference_outputs(q, k, v, dout, case.causal, dtype=torch.float64)
     same = reference_outputs(q, k, v, dout, case.causal)
     for name, o, s, r in zip(OUTPUT_NAMES, (out, lse, dq, dk, dv), same, ref):
@@ -138,6 +133,38 @@ def test_forward_deterministic(arch, causal):
     assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
 
 
+def _grads(case, q, k, v, dout, deterministic):
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    with cutlass_flash.force_arch(case.arch):
+        out = flash_attn_func(qg, kg, vg, causal=case.causal, deterministic=deterministic)
+    return torch.autograd.grad(out, (qg, kg, vg), dout)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["nomask", "causal"])
+@pytest.mark.parametrize("arch", kernel_archs(), ids=lambda a: f"sm{a}")
+def test_backward_deterministic(arch, causal, head_dim):
+    """deterministic=True: dq/dk/dv bit-identical over repeated runs, and a sequence's gradients
+    the same bits alone as inside a batch. GQA, so dK/dV sum a group; 2047 keys: many key blocks
+    add to each dQ tile."""
+    case = Case(3, 1023, 2047, 8, 2, head_dim, "bf16", causal, arch)
+    skip_if_not_built(case)
+    q, k, v = (t.detach() for t in make_inputs(case, "cuda"))
+    dout = make_dout(case, "cuda")
+    first = _grads(case, q, k, v, dout, True)
+    for _ in range(3):
+        again = _grads(case, q, k, v, dout, True)
+        for name, a, b in zip(("dq", "dk", "dv"), first, again):
+            assert torch.equal(a, b), f"{name} differs between runs"
+    alone = _grads(case, q[1:2], k[1:2], v[1:2], dout[1:2], True)
+    for name, a, b in zip(("dq", "dk", "dv"), first, alone):
+        assert torch.equal(a[1:2], b), f"{name} of sequence 1 differs alone and in the batch"
+    # The default order is as accurate: same inputs, the two agree to rounding.
+    fast = _grads(case, q, k, v, dout, False)
+    for name, a, b in zip(("dq", "dk", "dv"), first, fast):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2, msg=name)
+
+
 # -- torch.library.opcheck ------------------------------------------------------------------------
 
 OPCHECK_CASES = [
@@ -153,12 +180,13 @@ def test_opcheck(case):
     wr = 0 if case.causal else -1
     scale = case.head_dim ** -0.5
     tol = dict(atol=2e-2, rtol=2e-2)
-    torch.library.opcheck(torch.ops.cutlass_flash.fwd.default, (q, k, v, scale, -1, wr, 0), **tol)
-    out, lse = torch.ops.cutlass_flash.fwd(q, k, v, scale, -1, wr, 0)
+    torch.library.opcheck(torch.ops.cutlass_flash.fwd.default, (q, k, v, scale, -1, wr, 0, False), **tol)
+    out, lse = torch.ops.cutlass_flash.fwd(q, k, v, scale, -1, wr, 0, False)
     dout = make_dout(case, "cuda")
     torch.library.opcheck(
         torch.ops.cutlass_flash.bwd.default,
-        (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, scale, -1, wr, 0), **tol,
+        (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, scale, -1, wr, 0, False),
+        **tol,
     )
 
 

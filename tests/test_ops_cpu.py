@@ -31,11 +31,11 @@ def _meta_inputs(shape, dtype, device="meta"):
 @pytest.mark.parametrize("shape", list(SHAPES.values()), ids=list(SHAPES))
 def test_meta_shapes(shape, dtype):
     q, k, v = _meta_inputs(shape, dtype)
-    out, lse = torch.ops.cutlass_flash.fwd(q, k, v, 0.125, -1, 0, 0)
+    out, lse = torch.ops.cutlass_flash.fwd(q, k, v, 0.125, -1, 0, 0, False)
     b, sq, sk, h, hkv, d = shape
     assert out.shape == q.shape and out.dtype == dtype and out.device.type == "meta"
     assert lse.shape == (b, h, sq) and lse.dtype == torch.float32
-    dq, dk, dv = torch.ops.cutlass_flash.bwd(out, q, k, v, out, lse, 0.125, -1, 0, 0)
+    dq, dk, dv = torch.ops.cutlass_flash.bwd(out, q, k, v, out, lse, 0.125, -1, 0, 0, False)
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
     assert {dq.dtype, dk.dtype, dv.dtype} == {dtype}
 
@@ -45,8 +45,8 @@ def test_fake_tensor_mode_cuda(shape):
     # FakeTensorMode can pretend CUDA tensors without a GPU.
     with FakeTensorMode():
         q, k, v = _meta_inputs(shape, torch.bfloat16, device="cuda")
-        out, lse = torch.ops.cutlass_flash.fwd(q, k, v, 0.125, -1, -1, 80)
-        dq, dk, dv = torch.ops.cutlass_flash.bwd(out, q, k, v, out, lse, 0.125, -1, -1, 80)
+        out, lse = torch.ops.cutlass_flash.fwd(q, k, v, 0.125, -1, -1, 80, False)
+        dq, dk, dv = torch.ops.cutlass_flash.bwd(out, q, k, v, out, lse, 0.125, -1, -1, 80, False)
     assert out.device.type == "cuda" and lse.device.type == "cuda"
     assert out.shape == q.shape and lse.shape == (shape[0], shape[3], shape[1])
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
@@ -94,12 +94,12 @@ def test_make_fx_meta_forward_backward(monkeypatch):
 def test_opcheck(fake_backend, shape):
     q, k, v = (t.requires_grad_() for t in
                (torch.randn(*t.shape).to(torch.bfloat16) for t in _meta_inputs(shape, None)))
-    torch.library.opcheck(torch.ops.cutlass_flash.fwd.default, (q, k, v, 0.2, -1, 0, 0))
-    out, lse = torch.ops.cutlass_flash.fwd(q, k, v, 0.2, -1, 0, 0)
+    torch.library.opcheck(torch.ops.cutlass_flash.fwd.default, (q, k, v, 0.2, -1, 0, 0, False))
+    out, lse = torch.ops.cutlass_flash.fwd(q, k, v, 0.2, -1, 0, 0, False)
     dout = torch.randn_like(out)
     torch.library.opcheck(torch.ops.cutlass_flash.bwd.default,
                           (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse,
-                           0.2, -1, 0, 0))
+                           0.2, -1, 0, 0, False))
 
 
 # -- the Python path end to end, on the fake binding ---------------------------------------------
@@ -203,11 +203,11 @@ def test_compile_fullgraph_training_step(fake_backend, fresh_dynamo):
     assert fake_backend.archs_called() == [80, 80]
     fake_backend.calls.clear()
     _train_step(model, compiled, x)
-    assert fake_backend.archs_called() == [90, 80]  # auto on the fake sm90: sm90 forward, sm80 backward
+    assert fake_backend.archs_called() == [90, 90]  # auto on the fake sm90
     # A new sequence length recompiles (dynamic) and still runs our op.
     fake_backend.calls.clear()
     _train_step(model, compiled, torch.randn(2, 48, 64, dtype=torch.bfloat16))
-    assert fake_backend.archs_called() == [90, 80]
+    assert fake_backend.archs_called() == [90, 90]
 
 
 def test_misaligned_grad_is_copied(fake_backend):
@@ -234,8 +234,8 @@ def test_eager_path_matches_the_op(fake_backend):
     assert type(out.grad_fn).__name__ == "_EagerAttentionBackward"
     assert not lse.requires_grad
     grads = torch.autograd.grad(out, (q, k, v), dout)
-    assert fake_backend.archs_called() == [90, 80]
-    out_op, lse_op = torch.ops.cutlass_flash.fwd(q, k, v, 64 ** -0.5, -1, 0, 0)
+    assert fake_backend.archs_called() == [90, 90]
+    out_op, lse_op = torch.ops.cutlass_flash.fwd(q, k, v, 64 ** -0.5, -1, 0, 0, False)
     grads_op = torch.autograd.grad(out_op, (q, k, v), dout)
     for a, b in zip((out, lse, *grads), (out_op, lse_op, *grads_op)):
         assert torch.equal(a, b)

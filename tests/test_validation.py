@@ -136,11 +136,11 @@ def test_op_checks_layout_when_called_directly(fake_backend):
     q, k, v = qkv()
     bad = last_dim_strided(2, 16, 4, 64)
     with pytest.raises(ValueError, match="contiguous last dimension"):
-        torch.ops.cutlass_flash.fwd(bad, k, v, 0.125, -1, -1, 0)
+        torch.ops.cutlass_flash.fwd(bad, k, v, 0.125, -1, -1, 0, False)
     with pytest.raises(ValueError, match="inconsistent shapes"):
-        torch.ops.cutlass_flash.fwd(q, k, v[:, :3], 0.125, -1, -1, 0)
+        torch.ops.cutlass_flash.fwd(q, k, v[:, :3], 0.125, -1, -1, 0, False)
     with pytest.raises(TypeError):
-        torch.ops.cutlass_flash.fwd(q, k.to(BF16), v, 0.125, -1, -1, 0)
+        torch.ops.cutlass_flash.fwd(q, k.to(BF16), v, 0.125, -1, -1, 0, False)
     assert fake_backend.calls == []
 
 

@@ -13,7 +13,7 @@
 #include "cutlass_flash/params.h"
 #include "dispatch/table.h"
 #include "dispatch/validate.h"
-#include "kernels/sm80/workspace.h"
+#include "generated/bwd_workspace.h"
 
 namespace cutlass_flash {
 namespace dispatch {
@@ -251,9 +251,8 @@ Status run_bwd(const BwdParams& params, int arch, cudaStream_t stream) {
         dispatch::check_tensor(dir, "dout", params.dout, p, p.seqlen_q, p.nheads),
         dispatch::check_scalar_ptr(dir, "lse", params.lse, alignof(float)),
         dispatch::check_tensor(dir, "dq", params.dq, p, p.seqlen_q, p.nheads),
-        // dk and dv are per query head (the caller sums each group for GQA/MQA).
-        dispatch::check_tensor(dir, "dk", params.dk, p, p.seqlen_k, p.nheads),
-        dispatch::check_tensor(dir, "dv", params.dv, p, p.seqlen_k, p.nheads),
+        dispatch::check_tensor(dir, "dk", params.dk, p, p.seqlen_k, p.nheads_kv),
+        dispatch::check_tensor(dir, "dv", params.dv, p, p.seqlen_k, p.nheads_kv),
         dispatch::check_scalar_ptr(dir, "workspace", params.workspace, 256),
     };
   }, &dispatch::Entry::bwd);
@@ -263,13 +262,12 @@ size_t fwd_workspace_bytes(const AttnProblem&, int arch) {
   return arch == 90 ? 16 : 0;  // one int: the persistent kernel's tile counter
 }
 
-size_t bwd_workspace_bytes(const AttnProblem& problem, int arch) {
+size_t bwd_workspace_bytes(const AttnProblem& problem, int arch, bool deterministic) {
   if (problem.batch <= 0 || problem.nheads <= 0 || problem.seqlen_q <= 0 || problem.head_dim <= 0)
     return 0;
-  switch (arch) {
-    case 80: return sm80::bwd_workspace_layout(problem).total_bytes;
-    default: return 0;  // no backward kernel in that family (or no such family)
-  }
+  const dispatch::CatalogFamily* fam = dispatch::find_family(arch);
+  if (fam == nullptr || !fam->has_bwd) return 0;  // no backward kernel in that family
+  return bwd_workspace_layout(problem, deterministic).total_bytes;
 }
 
 const std::vector<KernelKey>& built_kernels() {

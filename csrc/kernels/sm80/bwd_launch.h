@@ -2,6 +2,7 @@
 // dQ conversion, all on the caller's stream.
 #pragma once
 
+#include "kernels/common/bwd_preprocess.h"
 #include "kernels/common/tile_scheduler.h"
 #include "kernels/sm80/bwd_kernel.h"
 #include "kernels/sm80/bwd_traits.h"
@@ -17,15 +18,12 @@ Status run_bwd(const BwdParams& params, cudaStream_t stream) {
   using Traits = BwdTraits<kHeadDim, kTile.block_m, kTile.block_n, kTile.warps, kTile.atom_m_sdp, kTile.atom_n_dkv,
                            kTile.atom_m_dq, kTile.q_stages, Element>;
   const AttnProblem& p = params.problem;
-  // The preprocess also zeroes the dQ scratch, all seqlen_q_rounded rows of it.
-  const int rows = int(bwd_workspace_layout(p).seqlen_q_rounded);
-  const dim3 row_grid(ceil_div(rows, kRowKernelRowsPerBlock), p.nheads, p.batch);
-  bwd_preprocess_kernel<kHeadDim, Element><<<row_grid, kRowKernelWarps * 32, 0, stream>>>(params);
+  bwd_preprocess_kernel<kHeadDim, Element><<<BwdPreprocess::grid(params), BwdPreprocess::kWarps * 32, 0, stream>>>(params);
   if (Status s = cuda_status(cudaGetLastError(), "sm80 backward preprocess launch"); !s.ok()) return s;
 
   constexpr auto kernel = bwd_kernel<Traits>;
   if (Status s = ensure_smem_limit<kernel>(Traits::kSmemBytes); !s.ok()) return s;
-  const dim3 grid = GridTileScheduler::grid(ceil_div(p.seqlen_k, kTile.block_n), p.nheads, p.batch);
+  const dim3 grid = GridTileScheduler::grid(ceil_div(p.seqlen_k, kTile.block_n), p.nheads_kv, p.batch);
   kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(params);
   if (Status s = cuda_status(cudaGetLastError(), "sm80 backward launch"); !s.ok()) return s;
 

@@ -10,6 +10,7 @@
 
 #include <cmath>
 
+#include "kernels/common/dq_semaphore.h"
 #include "kernels/common/mask.h"
 #include "kernels/sm80/utils.h"
 
@@ -26,6 +27,31 @@ __device__ __forceinline__ int dq_accum_index(int i, int tid) {
   return i * Traits::kNThreads + tid;
 }
 
+// Deterministic mode's order of the dQ additions of one (batch, head): before adding query tile
+// m, the block waits for the lower key blocks that see it; after, it signals the next.
+// semaphores == nullptr: no order (atomics as they come).
+struct BwdDqOrder {
+  int* semaphores;
+  int64_t bh_row;
+  int n_block;
+
+  template <int kBlockM, int kBlockN>
+  __device__ void before(const WindowMask& mask, int m_block) const {
+    if (semaphores == nullptr) return;
+    if (threadIdx.x == 0)
+      DqSemaphore::wait(DqSemaphore{semaphores}.at<kBlockM>(bh_row, m_block),
+                        DqSemaphore::turn<kBlockM, kBlockN>(mask, m_block, n_block));
+    __syncthreads();
+  }
+  template <int kBlockM>
+  __device__ void after(int m_block) const {
+    if (semaphores == nullptr) return;
+    __threadfence();  // this thread's atomics are performed before the signal
+    __syncthreads();
+    if (threadIdx.x == 0) DqSemaphore::signal(DqSemaphore{semaphores}.at<kBlockM>(bh_row, m_block));
+  }
+};
+
 template <typename Traits>
 struct BwdMainloop {
   using Element = typename Traits::Element;
@@ -41,7 +67,7 @@ struct BwdMainloop {
   __device__ static void run(const TensorQ& gQ, const TensorQ& gdO, const TensorK& gK, const TensorK& gV,
                              float* dq_accum, const float* lse, const float* dpsum, char* smem,
                              const WindowMask& mask, int n_block, int m_min, int m_max, float scale_log2,
-                             TensorAcc& acc_dk, TensorAcc& acc_dv) {
+                             TensorAcc& acc_dk, TensorAcc& acc_dv, const BwdDqOrder& dq_order) {
     const int tid = threadIdx.x;
     constexpr int kQTile = Traits::kQTile, kKVTile = Traits::kKVTile, kPTile = Traits::kPTile;
     Element* base = reinterpret_cast<Element*>(smem);
@@ -204,8 +230,10 @@ struct BwdMainloop {
       clear(acc_dq);
       gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, copy_a_dq, copy_b_dq, thr_a_dq, thr_b_dq);
       float* dq_tile = dq_accum + m * (kBlockM * kHeadDim);
+      dq_order.before<kBlockM, kBlockN>(mask, m);
       CUTE_UNROLL
       for (int i = 0; i < size(acc_dq); ++i) atomicAdd(dq_tile + dq_accum_index<Traits>(i, tid), acc_dq(i));
+      dq_order.after<kBlockM>(m);
       if (kQStages == 2) stage ^= 1;
     }
   }
