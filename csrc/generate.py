@@ -96,12 +96,13 @@ FAMILIES: Tuple[Family, ...] = (
     # exist only in the arch-specific sm_90a target.
     # CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED: wgmma atoms with N = 80, 112, ... (else CuTe splits
     # an N = 80 GEMM into five 64x16 atoms).
-    # Backward up to d = 128: its consumer warpgroups keep their keys' dK and dV in registers
-    # (2 x 64 x d fp32 per warpgroup, d registers a thread), which d = 192/256 exceed; those run
-    # on the sm80 backward (sm90/tile_config.h).
+    # Backward at d = 64 and 128: its consumer warpgroups keep their keys' dK and dV in registers
+    # (2 x 64 x d fp32 per warpgroup, d registers a thread), which d = 192/256 exceed, and split
+    # dQ's columns in halves, which at d = 96 (48 columns) cut through the 32-column swizzle atom
+    # of K; those run on the sm80 backward (sm90/tile_config.h).
     Family(arch=90, directions=("fwd", "bwd"), head_dims=HEAD_DIMS,
            sass_default=("90a",), sass_allowed=("90a",),
-           defines=("CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",), bwd_head_dims=(64, 96, 128)),
+           defines=("CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",), bwd_head_dims=(64, 128)),
 )
 FAMILY_BY_ARCH: Dict[int, Family] = {f.arch: f for f in FAMILIES}
 

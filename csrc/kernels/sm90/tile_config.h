@@ -47,6 +47,7 @@ struct BwdTile {
 constexpr BwdTile bwd_tile(int head_dim) {
   // Registers per consumer thread: dK + dV = head_dim, S + dP = block_m (fp32), P and dS in 16 bits
   // block_m / 2, dQ block_m x head_dim / (64 x warpgroups): within 240 at 64 x 128 for d <= 128.
+  // Instantiated at d = 64 and 128 (csrc/generate.py says why not the others).
   if (head_dim <= 64) return {128, 2, 2};
   return {64, 2, 2};
 }
