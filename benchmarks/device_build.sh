@@ -8,7 +8,7 @@
 # Expects the wheel under .carry/ (pip download --no-deps nvidia-cutlass==<pinned> -d .carry) and
 # must be sourced (`. benchmarks/device_build.sh`) for PYTHONPATH to reach later commands. Writes
 # the GPU and versions to $OUT/env.txt and the build log (ptxas report per file) to $OUT/build.log.
-set -u -o pipefail
+set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/cutlass_flash_out}
 mkdir -p "$OUT"
@@ -25,4 +25,4 @@ if ! CUTLASS_FLASH_JOBS=${CUTLASS_FLASH_JOBS:-16} python3 setup.py build_ext --i
   return 1
 fi
 echo "build: $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
-grep -E "compiled .*spill" "$OUT/build.log" | grep -v " 0 B spill" | head -20
+grep -E "compiled .*spill" "$OUT/build.log" | grep -v " 0 B spill" | head -20 || true
