@@ -1,6 +1,6 @@
 // sm90 backward kernel: one block per (key block, kv head, batch), warp-specialized. Warpgroup 0
-// loads (one thread: K, V, then Q/LSE and dO/D per step) and adds dQ to the workspace (another
-// thread); warpgroups 1.. each own 64 of the block's keys and run the wgmma mainloop over every
+// loads (one thread: K, V, then Q and LSE per step; another: dO and D) and adds dQ to the
+// workspace (a third thread); warpgroups 1.. each own 64 of the block's keys and run the wgmma mainloop over every
 // query head of the kv head's group, so GQA/MQA dK and dV are summed in registers in a fixed
 // order and written once.
 #pragma once
@@ -64,12 +64,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == 0) {  // K and V, then Q with its LSE
       const BwdSteps steps = make_steps(make_mask());
-      Mainloop::load(params, shared, pipeline_q, pipeline_do, steps, n_block, head_kv);
-    } else if (threadIdx.x == 32) {
-      const WindowMask mask = make_mask();
-      Mainloop::store_dq(params, shared, make_steps(mask), mask, n_block);
+      if (steps.count() > 0) {
+        Mainloop::load_kv(params, shared, steps, n_block, head_kv);
+        Mainloop::load_rows(params.tma_q, p, params.seqlen_q_rounded, pipeline_q, shared.q.data(),
+                            shared.lse_log2.data(), params.lse_log2, steps);
+      }
+    } else if (threadIdx.x == 32) {  // dO with its D
+      Mainloop::load_rows(params.tma_do, p, params.seqlen_q_rounded, pipeline_do, shared.dout.data(),
+                          shared.dpsum.data(), params.dpsum, make_steps(make_mask()));
+    } else if (threadIdx.x == 64) {
+      Mainloop::store_dq(shared, make_steps(make_mask()).count());
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();

@@ -67,13 +67,13 @@ struct BwdMainloop {
   using PipelineState = typename Pipeline::PipelineState;
   static constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
 
-  // ---- load thread ----
+  // ---- load threads ----
 
+  // K and V of the block, once (the Q thread).
   template <typename Params>
-  __device__ static void load(const Params& params, typename Traits::SharedStorage& shared, Pipeline& pipeline_q,
-                              Pipeline& pipeline_do, const BwdSteps& steps, int n_block, int head_kv) {
+  __device__ static void load_kv(const Params& params, typename Traits::SharedStorage& shared, const BwdSteps& steps,
+                                 int n_block, int head_kv) {
     const AttnProblem& p = params.problem;
-    if (steps.count() == 0) return;
     Tensor mK = params.tma_k.get_tma_tensor(make_shape(p.seqlen_k, p.head_dim, p.nheads_kv, p.batch));
     Tensor mV = params.tma_v.get_tma_tensor(make_shape(p.seqlen_k, p.head_dim, p.nheads_kv, p.batch));
     Tensor gK = local_tile(mK(_, _, head_kv, steps.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
@@ -85,66 +85,55 @@ struct BwdMainloop {
     shared.kv_full.arrive_and_expect_tx(2 * Traits::kKVBytes);
     copy(params.tma_k.with(reinterpret_cast<uint64_t&>(shared.kv_full), 0), tKgK, tKsK);
     copy(params.tma_v.with(reinterpret_cast<uint64_t&>(shared.kv_full), 0), tVgV, tVsV);
+  }
 
-    Tensor mQ = params.tma_q.get_tma_tensor(make_shape(p.seqlen_q, p.head_dim, p.nheads, p.batch));
-    Tensor mdO = params.tma_do.get_tma_tensor(make_shape(p.seqlen_q, p.head_dim, p.nheads, p.batch));
-    Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQ{});
-    Tensor sdO = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutQ{});
-    PipelineState st_q = cutlass::make_producer_start_state<Pipeline>();
-    PipelineState st_do = cutlass::make_producer_start_state<Pipeline>();
+  // Streams a (query, d) tensor with its per-row statistic, one query block per step: Q with
+  // LSE (one thread) or dO with D (another). Two threads: one doing both spilled its registers at
+  // the producer's 24 (the 2 x 24 + 2 x 240 budget of setmaxnreg has no room for more).
+  template <typename Tma>
+  __device__ static void load_rows(const Tma& tma, const AttnProblem& p, int64_t seqlen_q_rounded, Pipeline& pipeline,
+                                   Element* smem, float* smem_stats, const float* stats, const BwdSteps& steps) {
+    Tensor m = tma.get_tma_tensor(make_shape(p.seqlen_q, p.head_dim, p.nheads, p.batch));
+    Tensor s = make_tensor(make_smem_ptr(smem), typename Traits::SmemLayoutQ{});
+    PipelineState st = cutlass::make_producer_start_state<Pipeline>();
 #pragma unroll 1
     for (int h = steps.head_begin; h < steps.head_begin + steps.heads; ++h) {
-      Tensor gQ = local_tile(mQ(_, _, h, steps.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
-      Tensor gdO = local_tile(mdO(_, _, h, steps.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
-      auto [tQgQ, tQsQ] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-      auto [tdOgdO, tdOsdO] = tma_partition(params.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
-      const int64_t bh_row = (int64_t(steps.batch) * p.nheads + h) * params.seqlen_q_rounded;
+      Tensor g = local_tile(m(_, _, h, steps.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+      auto [tg, ts] = tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
+      const float* row_stats = stats + (int64_t(steps.batch) * p.nheads + h) * seqlen_q_rounded;
 #pragma unroll 1
-      for (int m = steps.m_min; m < steps.m_max; ++m) {
-        const int64_t row = bh_row + int64_t(m) * kBlockM;
-        pipeline_q.producer_acquire(st_q);
-        copy(params.tma_q.with(*pipeline_q.producer_get_barrier(st_q), 0), tQgQ(_, m), tQsQ(_, st_q.index()));
-        bulk_load(shared.lse_log2.data() + st_q.index() * kBlockM, params.lse_log2 + row, Traits::kRowStatBytes,
-                  *pipeline_q.producer_get_barrier(st_q));
-        ++st_q;
-        pipeline_do.producer_acquire(st_do);
-        copy(params.tma_do.with(*pipeline_do.producer_get_barrier(st_do), 0), tdOgdO(_, m), tdOsdO(_, st_do.index()));
-        bulk_load(shared.dpsum.data() + st_do.index() * kBlockM, params.dpsum + row, Traits::kRowStatBytes,
-                  *pipeline_do.producer_get_barrier(st_do));
-        ++st_do;
+      for (int mb = steps.m_min; mb < steps.m_max; ++mb) {
+        pipeline.producer_acquire(st);
+        uint64_t& barrier = *pipeline.producer_get_barrier(st);
+        copy(tma.with(barrier, 0), tg(_, mb), ts(_, st.index()));
+        bulk_load(smem_stats + st.index() * kBlockM, row_stats + mb * kBlockM, Traits::kRowStatBytes, barrier);
+        ++st;
       }
     }
   }
 
   // ---- dQ thread ----
 
-  template <typename Params>
-  __device__ static void store_dq(const Params& params, typename Traits::SharedStorage& shared, const BwdSteps& steps,
-                                  const WindowMask& mask, int n_block) {
-    const AttnProblem& p = params.problem;
-    const DqSemaphore semaphore{params.dq_semaphore};
-    int i = 0;
+  // Adds each step's staged dQ where the consumers' dq_target says: the thread keeps no address
+  // arithmetic or mask of its own (it spilled at the producer's 24 registers when it did).
+  __device__ static void store_dq(typename Traits::SharedStorage& shared, int num_steps) {
+    constexpr uint32_t kBytes = Traits::kdQElems * sizeof(float);
 #pragma unroll 1
-    for (int h = steps.head_begin; h < steps.head_begin + steps.heads; ++h) {
-      const int64_t bh_row = (int64_t(steps.batch) * p.nheads + h) * params.seqlen_q_rounded;
-#pragma unroll 1
-      for (int m = steps.m_min; m < steps.m_max; ++m, ++i) {
-        shared.dq_full.wait(i & 1);
-        float* dst = params.dq_accum + (bh_row + int64_t(m) * kBlockM) * kHeadDim;
-        if (semaphore.counts != nullptr) {
-          int* sem = semaphore.at<kBlockM>(bh_row, m);
-          DqSemaphore::wait(sem, DqSemaphore::turn<kBlockM, kBlockN>(mask, m, n_block));
-          fence_proxy_async_global();  // the lower blocks' additions come before this one
-          bulk_reduce_add(dst, shared.dq.data(), Traits::kdQElems * sizeof(float));
-          bulk_wait_all</*kRead=*/false>();
-          fence_proxy_async_global();
-          DqSemaphore::signal(sem);
-        } else {
-          bulk_reduce_add(dst, shared.dq.data(), Traits::kdQElems * sizeof(float));
-          bulk_wait_all</*kRead=*/true>();
-        }
-        shared.dq_empty.arrive();
+    for (int i = 0; i < num_steps; ++i) {
+      shared.dq_full.wait(i & 1);
+      const DqTarget target = shared.dq_target;
+      if (target.semaphore != nullptr) {
+        DqSemaphore::wait(target.semaphore, target.turn);
+        fence_proxy_async_global();  // the lower blocks' additions come before this one
+        bulk_reduce_add(target.dst, shared.dq.data(), kBytes);
+        bulk_wait_all</*kRead=*/false>();
+        fence_proxy_async_global();
+        DqSemaphore::signal(target.semaphore);
+      } else {
+        bulk_reduce_add(target.dst, shared.dq.data(), kBytes);
+        bulk_wait_all</*kRead=*/true>();
       }
+      shared.dq_empty.arrive();
     }
   }
 
@@ -250,6 +239,15 @@ struct BwdMainloop {
         pipeline_do.consumer_release(st_do);
         ++st_do;
         if (i > 0) shared.dq_empty.wait((i - 1) & 1);  // the dQ thread has read the last step's dQ
+        if (tid == 0) {
+          const int64_t bh_row = (int64_t(steps.batch) * params.problem.nheads + h) * params.seqlen_q_rounded;
+          DqTarget target{params.dq_accum + (bh_row + int64_t(m) * kBlockM) * kHeadDim, nullptr, 0};
+          if (params.dq_semaphore != nullptr) {
+            target.semaphore = DqSemaphore{params.dq_semaphore}.at<kBlockM>(bh_row, m);
+            target.turn = DqSemaphore::turn<kBlockM, kBlockN>(mask, m, n_block);
+          }
+          shared.dq_target = target;
+        }
         CUTE_UNROLL
         for (int j = 0; j < size(acc_dq) / 4; ++j)
           dq_stage[dq_index<Traits>(4 * j, tid) / 4] =

@@ -23,6 +23,13 @@ namespace cutlass_flash::sm90 {
 
 using namespace cute;
 
+// Where the dQ thread adds a step's staged dQ, written by the first consumer thread with it.
+struct DqTarget {
+  float* dst;      // the query tile's fp32 rows in the workspace
+  int* semaphore;  // deterministic mode: its semaphore and this key block's turn; else null
+  int turn;
+};
+
 template <int kHeadDim_, int kBlockM_, int kNMmaWarpGroups_, int kStages_, typename Element_>
 struct BwdTraits {
   using Element = Element_;
@@ -33,9 +40,10 @@ struct BwdTraits {
   static constexpr int kNThreads = kNMmaThreads + 128;
   static_assert(kNMmaWarpGroups == 2 || kNMmaWarpGroups == 3);
   static_assert(kBlockM % 64 == 0 && kHeadDim % (16 * kNMmaWarpGroups) == 0);
-  // setmaxnreg: 2 consumer warpgroups 128 x 32 + 256 x 240 = 65536 registers, the whole file
-  // (the load thread spilled at 24, the forward's producer budget).
-  static constexpr int kProducerRegs = 32;
+  // setmaxnreg moves registers within the block's launch allocation (384 threads x 168 = 64512):
+  // 2 consumer warpgroups 128 x 24 + 256 x 240 = 64512. Asking for more than the block holds
+  // blocks setmaxnreg.inc forever (seen: 32 + 240 hung the first GPU run).
+  static constexpr int kProducerRegs = kNMmaWarpGroups == 2 ? 24 : 32;
   static constexpr int kConsumerRegs = kNMmaWarpGroups == 2 ? 240 : 160;
 
   using WarpGroupsAlongM = Layout<Shape<Int<kNMmaWarpGroups>, _1, _1>>;
@@ -115,6 +123,7 @@ struct BwdTraits {
     // the workspace by the producer's dQ thread (dq_empty once the bulk add has read it).
     cutlass::arch::ClusterBarrier dq_full;
     cutlass::arch::ClusterBarrier dq_empty;
+    DqTarget dq_target;
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "sm90 backward tile does not fit in shared memory");
