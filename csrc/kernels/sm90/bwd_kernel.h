@@ -26,6 +26,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   using Mainloop = BwdMainloop<Traits>;
   using Pipeline = typename Traits::Pipeline;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
+  constexpr int kQThread = 0, kdOThread = 32, kdQThread = 64;  // lane 0 of warps 0-2
   extern __shared__ __align__(1024) char smem[];
   auto& shared = *reinterpret_cast<typename Traits::SharedStorage*>(smem);
 
@@ -53,28 +54,33 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     shared.dq_full.init(Traits::kNMmaThreads);
     shared.dq_empty.init(1);
   }
-  typename Pipeline::Params pipeline_params;
-  pipeline_params.transaction_bytes = Traits::kQBytes + Traits::kRowStatBytes;
-  pipeline_params.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
-  pipeline_params.is_leader = threadIdx.x == 0;
-  pipeline_params.num_consumers = Traits::kNMmaThreads;
-  Pipeline pipeline_q(shared.pipeline_q, pipeline_params, Shape<_1, _1, _1>{});
-  Pipeline pipeline_do(shared.pipeline_do, pipeline_params, Shape<_1, _1, _1>{});
+  // The leader of a pipeline is its producer thread: it arms the full barrier with the stage's
+  // transaction bytes (a pipeline whose loads come from a non-leader never completes a stage).
+  auto pipeline_params = [&](int producer_thread) {
+    typename Pipeline::Params params;
+    params.transaction_bytes = Traits::kQBytes + Traits::kRowStatBytes;
+    params.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+    params.is_leader = int(threadIdx.x) == producer_thread;
+    params.num_consumers = Traits::kNMmaThreads;
+    return params;
+  };
+  Pipeline pipeline_q(shared.pipeline_q, pipeline_params(kQThread), Shape<_1, _1, _1>{});
+  Pipeline pipeline_do(shared.pipeline_do, pipeline_params(kdOThread), Shape<_1, _1, _1>{});
   __syncthreads();  // barriers initialised before any thread waits on them
 
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-    if (threadIdx.x == 0) {  // K and V, then Q with its LSE
+    if (threadIdx.x == kQThread) {  // K and V, then Q with its LSE
       const BwdSteps steps = make_steps(make_mask());
       if (steps.count() > 0) {
         Mainloop::load_kv(params, shared, steps, n_block, head_kv);
         Mainloop::load_rows(params.tma_q, p, params.seqlen_q_rounded, pipeline_q, shared.q.data(),
                             shared.lse_log2.data(), params.lse_log2, steps);
       }
-    } else if (threadIdx.x == 32) {  // dO with its D
+    } else if (threadIdx.x == kdOThread) {  // dO with its D
       Mainloop::load_rows(params.tma_do, p, params.seqlen_q_rounded, pipeline_do, shared.dout.data(),
                           shared.dpsum.data(), params.dpsum, make_steps(make_mask()));
-    } else if (threadIdx.x == 64) {
+    } else if (threadIdx.x == kdQThread) {
       Mainloop::store_dq(shared, make_steps(make_mask()).count());
     }
   } else {
