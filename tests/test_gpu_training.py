@@ -16,7 +16,7 @@ def test_training_loss_matches_sdpa():
 
     ours = train_check.train(train_check.ours)
     ref = train_check.train(train_check.sdpa)
-    # The loop must learn (the motif is predictable): otherwise agreement says nothing.
+    # The loop must learn (it memorises one batch): otherwise agreement says nothing.
     assert ref[-1] < 0.5 * ref[0], ref
     # bf16 weights and activations drift apart step by step whichever attention runs; 5% of the
     # loss bounds that drift over 30 steps while a wrong gradient (a sign, a missing scale, a
