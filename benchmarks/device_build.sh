@@ -25,4 +25,4 @@ if ! CUTLASS_FLASH_JOBS=${CUTLASS_FLASH_JOBS:-16} python3 setup.py build_ext --i
   return 1
 fi
 echo "build: $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
-grep -E "compiled .*spill" "$OUT/build.log" | grep -v " 0 B spill" | head -20 || true
+grep -E "(compiled|nvcc) .*spill" "$OUT/build.log" | grep -v " 0 B spill" | head -20 || true
