@@ -1,4 +1,5 @@
-"""Benchmark cutlass_flash against PyTorch SDPA's backends (FlashAttention-2, cuDNN, efficient).
+"""Benchmark cutlass_flash against PyTorch SDPA's backends (FlashAttention-2, cuDNN, efficient)
+and, where `import flash_attn_interface` works (benchmarks/device_fa3.sh builds it), FlashAttention-3.
 
     python -m cutlass_flash.benchmark                      # FlashAttention-3 paper grid, bf16
     python -m cutlass_flash.benchmark --arch 80,90         # both kernel families, side by side
@@ -18,6 +19,7 @@ import argparse
 import contextlib
 import csv
 import datetime
+import functools
 import os
 import platform
 import statistics
@@ -35,6 +37,9 @@ MODES = ("fwd", "bwd", "fwdbwd")
 FLOPS_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
 SDPA_IMPLS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient")
 SDPA_LABEL = {"sdpa-flash": "FA2", "sdpa-cudnn": "cuDNN", "sdpa-efficient": "efficient"}
+# Reference implementations in the order of the "ours / ..." ratio columns, and their short names.
+RATIO_REFS = ("sdpa-flash", "sdpa-cudnn", "fa3")
+REF_LABEL = {**SDPA_LABEL, "fa3": "FA3"}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -93,9 +98,9 @@ def _dtypes(text):
 def _impls(text):
     out = [x.strip() for x in text.split(",") if x.strip()]
     for x in out:
-        if x not in ("ours",) + SDPA_IMPLS:
+        if x not in ("ours", "ours-det") + SDPA_IMPLS + ("fa3",):
             raise argparse.ArgumentTypeError(
-                f"--impls: expected some of ours, {', '.join(SDPA_IMPLS)}; got {x!r}"
+                f"--impls: expected some of ours, ours-det, {', '.join(SDPA_IMPLS)}, fa3; got {x!r}"
             )
     return out
 
@@ -116,8 +121,10 @@ def parse_args(argv=None):
                    help="bf16 (default), fp16, or bf16,fp16 for both in one run")
     p.add_argument("--arch", type=_archs, default=[0],
                    help="our kernel family: auto (default), 80, 90, or 80,90 for both columns")
-    p.add_argument("--impls", type=_impls, default=["ours", *SDPA_IMPLS],
-                   help="default: ours,sdpa-flash,sdpa-cudnn,sdpa-efficient")
+    p.add_argument("--impls", type=_impls, default=["ours", *SDPA_IMPLS, "fa3"],
+                   help="default: ours,sdpa-flash,sdpa-cudnn,sdpa-efficient,fa3 (fa3: "
+                        "FlashAttention-3, skipped with a note where flash_attn_interface does "
+                        "not import); ours-det: ours with deterministic=True")
     p.add_argument("--total-tokens", type=int, default=16384, help="batch * seqlen (16384)")
     p.add_argument("--hidden", type=int, default=2048, help="nheads * head_dim (2048)")
     p.add_argument("--rounds", type=int, default=5,
@@ -276,9 +283,9 @@ def attention_flops(batch, nheads, seqlen_q, seqlen_k, head_dim, causal, mode):
 # Implementations: each returns a forward function of (q, k, v) in (B, S, H, D) layout.
 
 
-def _ours(causal):
+def _ours(causal, deterministic=False):
     def fwd(q, k, v):
-        return cutlass_flash.flash_attn_func(q, k, v, causal=causal)
+        return cutlass_flash.flash_attn_func(q, k, v, causal=causal, deterministic=deterministic)
     return fwd
 
 
@@ -307,9 +314,77 @@ def _sdpa(name, causal):
     return fwd
 
 
+@functools.lru_cache(maxsize=None)
+def _fa3_interface():
+    """FlashAttention-3's flash_attn_interface module, or None (with a note, printed once)."""
+    try:
+        import flash_attn_interface
+    except Exception as e:  # not built, or its extension does not load
+        print(f"note: no FA3 column: import flash_attn_interface failed ({_short(e)}); "
+              "benchmarks/device_fa3.sh builds it", flush=True)
+        return None
+    return flash_attn_interface
+
+
+def _fa3_built():
+    """(dtypes, head dims) FA3's build has kernels for, from the flash_attn_config.CONFIG its
+    setup.py writes beside flash_attn_interface (everything FA3 has where that is missing)."""
+    try:
+        from flash_attn_config import CONFIG
+
+        flags = CONFIG["build_flags"]
+    except Exception:
+        flags = {}
+    dtypes = ("bf16",) + (() if flags.get("FLASHATTENTION_DISABLE_FP16") else ("fp16",))
+    head_dims = tuple(d for d in (64, 96, 128, 192, 256)
+                      if not flags.get(f"FLASHATTENTION_DISABLE_HDIM{d}"))
+    return dtypes, head_dims
+
+
+def fa3_info():
+    """One line for the environment: FA3's version, source commits and what was built."""
+    fa3 = _fa3_interface()
+    if fa3 is None:
+        return "not available"
+    try:
+        import flash_attn_3
+
+        version = getattr(flash_attn_3, "__version__", "unknown")
+    except Exception:
+        version = "unknown"
+    text = f"flash_attn_3 {version}"
+    # SOURCE.txt (benchmarks/pack_fa3src.sh) sits at the top of the tree that holds hopper/.
+    source = os.path.join(os.path.dirname(os.path.abspath(fa3.__file__)), os.pardir, "SOURCE.txt")
+    try:
+        with open(source) as f:
+            commits = [line.split() for line in f if line.strip()]
+        text += "".join(f", {c[0]} {c[1][:12]}" for c in commits if len(c) >= 2)
+    except OSError:
+        pass
+    dtypes, head_dims = _fa3_built()
+    return text + f"; built {','.join(dtypes)}, head dims {','.join(map(str, head_dims))}"
+
+
+def _fa3(causal):
+    fa3 = _fa3_interface()
+    dtypes, head_dims = _fa3_built()
+    built = {DTYPES[d] for d in dtypes}
+
+    def fwd(q, k, v):
+        # Only what the build has: FA3 would round another head dim up to a built one (padded).
+        if q.dtype not in built or q.shape[-1] not in head_dims:
+            raise ValueError(f"FA3 build has no kernel for {q.dtype} head_dim {q.shape[-1]} "
+                             f"(built: {','.join(dtypes)}; {','.join(map(str, head_dims))})")
+        out = fa3.flash_attn_func(q, k, v, causal=causal)
+        # Older FA3 returns (out, softmax_lse); newer returns out unless return_attn_probs.
+        return out[0] if isinstance(out, (tuple, list)) else out
+    return fwd
+
+
 def implementations(args):
     """(label, factory(causal) -> forward fn, context) in column order. The context forces our
-    kernel family while that column is measured (auto: none, so CUTLASS_FLASH_FORCE_ARCH holds)."""
+    kernel family while that column is measured (auto: none, so CUTLASS_FLASH_FORCE_ARCH holds).
+    fa3 is left out, with a note, where flash_attn_interface does not import."""
     out = []
     for impl in args.impls:
         if impl == "ours":
@@ -318,6 +393,11 @@ def implementations(args):
                 ctx = contextlib.nullcontext if arch == 0 else (
                     lambda a=arch: cutlass_flash.force_arch(a))
                 out.append((label, _ours, ctx))
+        elif impl == "ours-det":  # deterministic=True, kernel family automatic
+            out.append((impl, lambda causal: _ours(causal, deterministic=True), contextlib.nullcontext))
+        elif impl == "fa3":
+            if _fa3_interface() is not None:
+                out.append(("fa3", _fa3, contextlib.nullcontext))
         else:
             out.append((impl, lambda causal, n=impl: _sdpa(n, causal), contextlib.nullcontext))
     return out
@@ -444,14 +524,14 @@ def markdown(rows, labels, env, args):
         "",
     ]
     ours = [lb for lb in labels if lb.startswith("ours")]
-    refs = [r for r in ("sdpa-flash", "sdpa-cudnn") if r in labels]
+    refs = [r for r in RATIO_REFS if r in labels]
     ratio_cols = [(o, r) for o in ours for r in refs]
     index = {(r["dtype"], r["mode"], r["head_dim"], r["seqlen"], r["causal"], r["impl"]): r
              for r in rows}
     for dt, mode in [(dt, mode) for dt in args.dtype for mode in args.modes]:
         lines += [f"## {dt} {mode}", ""]
         header = ["head_dim", "seqlen", "batch x nheads", "causal"] + labels + [
-            f"{o} / {SDPA_LABEL[r]}" for o, r in ratio_cols
+            f"{o} / {REF_LABEL[r]}" for o, r in ratio_cols
         ]
         lines.append("| " + " | ".join(header) + " |")
         lines.append("|" + "|".join("---:" for _ in header) + "|")
@@ -602,6 +682,8 @@ def main(argv=None):
     if err and "ours" in args.impls:
         print(f"warning: {err}\nour columns will read n/a", file=sys.stderr)
     env = environment()
+    if "fa3" in args.impls and not args.overhead_only:
+        env["FA3"] = fa3_info()
     for key, val in env.items():
         print(f"{key:22s} {val}")
     print(flush=True)

@@ -2,8 +2,11 @@
 markdown table (the GPU timing itself is replaced by a recording stand-in)."""
 
 import contextlib
+import sys
+import types
 
 import pytest
+import torch
 
 from cutlass_flash import benchmark
 
@@ -56,3 +59,53 @@ def test_markdown_has_one_section_per_dtype_and_mode():
     fp16 = md[md.index("## fp16 fwd"):]
     assert "| 128 | 2048 | 8 x 16 | no | 600.0 | 300.0 | 500.0 | 2.00x | 1.20x |" in bf16
     assert "| 128 | 2048 | 8 x 16 | no | 550.0 | 275.0 | 600.0 | 2.00x | 0.92x |" in fp16
+
+from cutlass_flash import benchmark
+
+
+@pytest.fixture
+def fresh_fa3():
+    benchmark._fa3_interface.cache_clear()
+    yield
+    benchmark._fa3_interface.cache_clear()
+
+
+def test_fa3_column_skipped_without_flash_attn_interface(monkeypatch, capsys, fresh_fa3):
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", None)  # import raises ImportError
+    args = benchmark.parse_args([])
+    assert args.impls[-1] == "fa3"
+    labels = [label for label, _, _ in benchmark.implementations(args)]
+    assert labels == ["ours", *benchmark.SDPA_IMPLS]
+    assert "note: no FA3 column" in capsys.readouterr().out
+    benchmark.implementations(args)
+    assert capsys.readouterr().out == ""  # the note is printed once
+    assert benchmark.fa3_info() == "not available"
+
+
+def test_fa3_column_and_ratio_with_a_stand_in(monkeypatch, fresh_fa3):
+    calls = []
+
+    def flash_attn_func(q, k, v, softmax_scale=None, causal=False):
+        calls.append(causal)
+        return q + 1, None  # older FA3 returned (out, softmax_lse)
+
+    monkeypatch.setitem(sys.modules, "flash_attn_interface",
+                        types.SimpleNamespace(flash_attn_func=flash_attn_func, __file__="/x/y.py"))
+    monkeypatch.setitem(sys.modules, "flash_attn_config", types.SimpleNamespace(CONFIG={
+        "build_flags": {"FLASHATTENTION_DISABLE_HDIM96": True, "FLASHATTENTION_DISABLE_HDIM192": True}}))
+    args = benchmark.parse_args(["--impls", "ours,sdpa-flash,fa3", "--modes", "fwd",
+                                 "--head-dims", "128", "--seqlens", "2048", "--causal", "false"])
+    impls = benchmark.implementations(args)
+    assert [label for label, _, _ in impls] == ["ours", "sdpa-flash", "fa3"]
+    fwd = dict((label, f) for label, f, _ in impls)["fa3"](True)
+    q = torch.zeros(1, 4, 2, 64, dtype=torch.bfloat16)
+    assert torch.equal(fwd(q, q, q), q + 1) and calls == [True]
+    with pytest.raises(ValueError, match="head_dim 96"):
+        fwd(*(torch.zeros(1, 4, 2, 96, dtype=torch.bfloat16),) * 3)
+    assert "head dims 64,128,256" in benchmark.fa3_info()
+    rows = [dict(dtype="bf16", head_dim=128, seqlen=2048, batch=8, nheads=16, causal=0, mode="fwd",
+                 impl=impl, ms=1.0, tflops=tf, status="")
+            for impl, tf in (("ours", 600.0), ("sdpa-flash", 300.0), ("fa3", 500.0))]
+    md = benchmark.markdown(rows, ["ours", "sdpa-flash", "fa3"], {"gpu": "test"}, args)
+    assert "| ours / FA2 | ours / FA3 |" in md
+    assert "| 128 | 2048 | 8 x 16 | no | 600.0 | 300.0 | 500.0 | 2.00x | 1.20x |" in md
