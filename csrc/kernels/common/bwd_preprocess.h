@@ -33,12 +33,12 @@ __global__ void __launch_bounds__(BwdPreprocess::kWarps * 32) bwd_preprocess_ker
   const BwdWorkspace ws = bwd_workspace_layout(p, params.deterministic);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int head = blockIdx.y, batch = blockIdx.z;
-  const int64_t bh_row = (int64_t(batch) * p.nheads + head) * ws.seqlen_q_rounded;
+  const int64_t bh_row = BlockInfo::workspace_row(p, ws.seqlen_q_rounded, batch, head);
   char* workspace = static_cast<char*>(params.workspace);
   float* dq_accum = reinterpret_cast<float*>(workspace + ws.dq_accum_offset);
   float* dpsum = reinterpret_cast<float*>(workspace + ws.dpsum_offset);
   float* lse_log2 = reinterpret_cast<float*>(workspace + ws.lse_log2_offset);
-  const float* lse = params.lse + (int64_t(batch) * p.nheads + head) * p.seqlen_q;
+  const float* lse = params.lse + BlockInfo::lse_row(p, batch, head);
   const Element* o = BlockInfo::slice<const Element>(params.o, batch, head);
   const Element* dout = BlockInfo::slice<const Element>(params.dout, batch, head);
   if (params.deterministic && threadIdx.x < kRows / kBwdSemaphoreRows) {

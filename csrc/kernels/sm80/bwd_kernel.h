@@ -30,7 +30,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_convert_dq_kernel(const
   const AttnProblem& p = params.problem;
   const BwdWorkspace ws = bwd_workspace_layout(p, params.deterministic);
   const int tid = threadIdx.x, m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
-  const int64_t bh_row = (int64_t(batch) * p.nheads + head) * ws.seqlen_q_rounded;
+  const int64_t bh_row = BlockInfo::workspace_row(p, ws.seqlen_q_rounded, batch, head);
   const float* dq_tile = reinterpret_cast<const float*>(static_cast<const char*>(params.workspace) +
                                                         ws.dq_accum_offset) +
                          bh_row * kHeadDim + m_block * (kBlockM * kHeadDim);
@@ -92,14 +92,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
   // a fixed order.
   for (int g = 0; g < group && m_min < m_max; ++g) {
     const int head = head_kv * group + g;
-    const int64_t bh_row = (int64_t(batch) * p.nheads + head) * ws.seqlen_q_rounded;
+    const int64_t bh_row = BlockInfo::workspace_row(p, ws.seqlen_q_rounded, batch, head);
     Tensor gQ = local_tile(rows_tensor(BlockInfo::slice<Element>(params.q, batch, head), p.seqlen_q,
                                        params.q.row_stride), QTile{}, make_coord(_, 0));
     Tensor gdO = local_tile(rows_tensor(BlockInfo::slice<Element>(params.dout, batch, head), p.seqlen_q,
                                         params.dout.row_stride), QTile{}, make_coord(_, 0));
     float* dq_accum = reinterpret_cast<float*>(workspace + ws.dq_accum_offset) + bh_row * kHeadDim;
     const float* dpsum = reinterpret_cast<const float*>(workspace + ws.dpsum_offset) + bh_row;
-    const float* lse = params.lse + (int64_t(batch) * p.nheads + head) * p.seqlen_q;
+    const float* lse = params.lse + BlockInfo::lse_row(p, batch, head);
     const BwdDqOrder dq_order{params.deterministic ? reinterpret_cast<int*>(workspace + ws.dq_semaphore_offset) : nullptr,
                               bh_row, n_block};
     if (g > 0) __syncthreads();  // the last head's final reads of shared memory are done

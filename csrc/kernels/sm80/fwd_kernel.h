@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     fill(lse, INFINITY);  // no key visible to any row of this block: O = 0, LSE = +inf
   }
 
-  float* lse_out = params.lse + (int64_t(batch) * p.nheads + head) * p.seqlen_q + m_block * kBlockM;
+  float* lse_out = params.lse + BlockInfo::lse_row(p, batch, head) + m_block * kBlockM;
   FwdEpilogue<Traits>::store(acc_o, lse, gO, lse_out, smem, p.seqlen_q - m_block * kBlockM);
 }
 

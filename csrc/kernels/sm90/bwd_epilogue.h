@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(Traits::kNMmaThreads) bwd_convert_dq_kernel(co
   const AttnProblem& p = params.problem;
   const BwdWorkspace ws = bwd_workspace_layout(p, params.deterministic);
   const int tid = threadIdx.x, m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
-  const int64_t bh_row = (int64_t(batch) * p.nheads + head) * ws.seqlen_q_rounded;
+  const int64_t bh_row = BlockInfo::workspace_row(p, ws.seqlen_q_rounded, batch, head);
   const float* tile = reinterpret_cast<const float*>(static_cast<const char*>(params.workspace) + ws.dq_accum_offset) +
                       (bh_row + int64_t(m_block) * kBlockM) * kHeadDim;
   typename Traits::TiledMmadQ mma_dq;

@@ -15,6 +15,7 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
+#include "kernels/common/block_info.h"
 #include "kernels/common/dq_semaphore.h"
 #include "kernels/common/mask.h"
 #include "kernels/sm90/bwd_traits.h"
@@ -100,7 +101,7 @@ struct BwdMainloop {
     for (int h = steps.head_begin; h < steps.head_begin + steps.heads; ++h) {
       Tensor g = local_tile(m(_, _, h, steps.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
       auto [tg, ts] = tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
-      const float* row_stats = stats + (int64_t(steps.batch) * p.nheads + h) * seqlen_q_rounded;
+      const float* row_stats = stats + BlockInfo::workspace_row(p, seqlen_q_rounded, steps.batch, h);
 #pragma unroll 1
       for (int mb = steps.m_min; mb < steps.m_max; ++mb) {
         pipeline.producer_acquire(st);
@@ -240,7 +241,7 @@ struct BwdMainloop {
         ++st_do;
         if (i > 0) shared.dq_empty.wait((i - 1) & 1);  // the dQ thread has read the last step's dQ
         if (tid == 0) {
-          const int64_t bh_row = (int64_t(steps.batch) * params.problem.nheads + h) * params.seqlen_q_rounded;
+          const int64_t bh_row = BlockInfo::workspace_row(params.problem, params.seqlen_q_rounded, steps.batch, h);
           DqTarget target{params.dq_accum + (bh_row + int64_t(m) * kBlockM) * kHeadDim, nullptr, 0};
           if (params.dq_semaphore != nullptr) {
             target.semaphore = DqSemaphore{params.dq_semaphore}.at<kBlockM>(bh_row, m);

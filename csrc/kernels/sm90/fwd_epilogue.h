@@ -38,7 +38,7 @@ struct FwdEpilogue {
         make_identity_tensor(Shape<_64, Int<kHeadDim>>{})));
     const int first_row = tile.block * kBlockM + wg * 64;
     const int rows_left = p.seqlen_q - first_row;
-    float* out = params.lse + (int64_t(tile.batch) * p.nheads + tile.head) * p.seqlen_q + first_row;
+    float* out = params.lse + BlockInfo::lse_row(p, tile.batch, tile.head) + first_row;
     if (tid % 4 == 0) {
       CUTE_UNROLL
       for (int mi = 0; mi < size(lse); ++mi) {
@@ -108,7 +108,7 @@ struct FwdEpilogue {
         *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
       }
     }
-    float* out = params.lse + (int64_t(tile.batch) * p.nheads + tile.head) * p.seqlen_q + tile.block * kBlockM;
+    float* out = params.lse + BlockInfo::lse_row(p, tile.batch, tile.head) + tile.block * kBlockM;
     for (int row = tid; row < kBlockM && row < rows_left; row += Traits::kNMmaThreads) out[row] = INFINITY;
   }
 
