@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# A/B of kernel variants in one call on the GPU machine: each variant is this checkout with one
+# patch applied; all are built side by side (restricted knobs, in parallel), then each runs the
+# GPU tests that exercise what it changes and the benchmark, in turn, twice (the order ABC ABC,
+# so clock drift shows as a difference between rounds, not between variants).
+#
+#   git diff main next-gpu~1 > .carry/var/C.patch          # here; .carry/ is git-ignored
+#   OUT=$OUT VARIANTS="base C" bash benchmarks/device_variants.sh    # there, carry .carry
+#
+# "base" is the checkout as it is. Knobs: DIMS (head dims, default 64,128), DTYPES (bf16),
+# ARCHS (90), TESTS (pytest arguments, default: every GPU test of the restricted build), BENCH
+# (extra benchmark arguments, default: backward, 2k and 8k tokens, causal and not, against
+# cuDNN). Needs the nvidia-cutlass wheel under .carry/ (see benchmarks/device_build.sh).
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/cutlass_flash_out}
+DIMS=${DIMS:-64,128} DTYPES=${DTYPES:-bf16} ARCHS=${ARCHS:-90}
+TESTS=${TESTS:--m gpu}
+BENCH=${BENCH:---modes bwd --seqlens 2048,8192 --impls ours,sdpa-cudnn --rounds 3 --budget-ms 100}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/nvidia_cutlass-*.whl || exit 1
+export PYTHONPATH=/tmp/site
+root=$(pwd)
+for v in $VARIANTS; do
+  rm -rf "/tmp/v$v" && mkdir -p "/tmp/v$v"
+  tar -C "$root" --exclude=./build --exclude=./.carry -cf - . | tar -C "/tmp/v$v" -xf -
+  if [ "$v" != base ]; then (cd "/tmp/v$v" && patch -s -p1 < "$root/.carry/var/$v.patch") || exit 1; fi
+  (cd "/tmp/v$v" && CUTLASS_FLASH_ARCHS=$ARCHS CUTLASS_FLASH_HEAD_DIMS=$DIMS CUTLASS_FLASH_DTYPES=$DTYPES \
+     CUTLASS_FLASH_JOBS=8 python3 setup.py build_ext --inplace >"$OUT/build_$v.log" 2>&1
+   echo "build $v: rc=$?"; grep -E "nvcc .*spill" "$OUT/build_$v.log" | grep -v " 0 B spill") &
+done
+wait
+for v in $VARIANTS; do
+  echo "== tests $v"
+  (cd "/tmp/v$v" && timeout 300 python3 -m pytest -q -x -n 6 tests $TESTS 2>&1 | tail -2)
+done
+for r in 1 2; do
+  for v in $VARIANTS; do
+    echo "== benchmark $v, round $r"
+    (cd "/tmp/v$v" && timeout 200 python3 -m cutlass_flash.benchmark --head-dims "$DIMS" --dtype "$DTYPES" $BENCH \
+       --no-plot --out "$OUT/bench_${v}_$r" 2>&1 | grep "^| [0-9]")
+  done
+done
