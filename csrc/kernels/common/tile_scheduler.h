@@ -27,7 +27,7 @@ struct GridTileScheduler {
 
 // The tile order of a persistent grid (one block per SM): tile index -> (query block, head,
 // batch). Blocks take indices in increasing order as they finish tiles (the sm90 kernel hands
-// them out through a global counter, sm90/fwd_kernel.h), so the tiles in flight at any time are a
+// them out through a global counter, sm90/tile_scheduler.h), so the tiles in flight at any time are a
 // window of about gridDim.x consecutive indices.
 //
 // Without a causal mask every tile costs the same, and query blocks are the fastest index, so the

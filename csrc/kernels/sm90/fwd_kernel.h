@@ -34,12 +34,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   const AttnProblem& p = params.problem;
   const int warp_group = cutlass::canonical_warp_group_idx();
-  // Built after each role's setmaxnreg, not here: values live across it were spilled at d = 256.
+  // The mask and the tile order are built after each role's setmaxnreg, not here: values live
+  // across it were spilled at d = 256.
   auto make_mask = [&] { return WindowMask(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right); };
-  auto make_scheduler = [&] {
-    return PersistentTileScheduler(params.num_m_blocks, p.nheads, p.batch, /*longest_first=*/p.window_right >= 0,
-                                   params.tile_group);
-  };
+  using Scheduler = DynamicTileScheduler;
 
   if (threadIdx.x == 0) {
     prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
@@ -48,8 +46,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     prefetch_tma_descriptor(params.tma_o.get_tma_descriptor());
     shared.q_full.init(1);
     shared.q_empty.init(Traits::kQEmptyArrivals);
-    shared.work_full.init(1);
-    shared.work_empty.init(1);
+    Scheduler::init(shared.scheduler);
   }
   typename PipelineKV::Params pipeline_params;
   pipeline_params.transaction_bytes = Traits::kKVBytes;
@@ -62,31 +59,25 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-    // Tiles are claimed in order from a global counter as blocks free up (block b starts with
-    // tile b), which keeps the causal longest-first order balanced whatever the tile lengths; a
-    // static stride made the rate depend on how lengths fell onto blocks (PERFLOG.md, entry 18).
+    // The persistent protocol: sm90/tile_scheduler.h.
     if (threadIdx.x == 0) {  // K/V thread
       typename Mainloop::KVState state;
       for (int i = 0;; ++i) {
-        shared.work_full.wait(i & 1);
-        const TileWork w = shared.work;
-        shared.work_empty.arrive();
+        const TileWork w = Scheduler::take(shared.scheduler, i);
         if (w.coord.block < 0) break;
         if (w.n_min < w.n_max) Mainloop::load_kv(params, shared, pipeline_k, pipeline_v, state, w.coord, w.n_min, w.n_max);
       }
     } else if (threadIdx.x == 32) {  // tile thread
       const WindowMask mask = make_mask();
-      const PersistentTileScheduler scheduler = make_scheduler();
-      for (int i = 0, t = int(blockIdx.x);; ++i, t = atomicAdd(params.tile_counter, 1) + int(gridDim.x)) {
-        const bool valid = t < scheduler.num_tiles;
+      const PersistentTileScheduler order = Scheduler::order(params.scheduler, p);
+      for (int i = 0, t = Scheduler::first();; ++i, t = Scheduler::next(params.scheduler)) {
+        const bool valid = t < order.num_tiles;
         TileWork w{{-1, 0, 0}, 0, 0};
         if (valid) {
-          w.coord = scheduler.coord(t);
+          w.coord = order.coord(t);
           mask.n_block_range<kBlockM, kBlockN>(w.coord.block, w.n_min, w.n_max);
         }
-        if (i > 0) shared.work_empty.wait((i - 1) & 1);
-        shared.work = w;
-        shared.work_full.arrive();
+        Scheduler::hand_over(shared.scheduler, i, w);
         Mainloop::publish(params, shared, i, t, w.coord, valid && w.n_min < w.n_max);
         if (!valid) break;
       }
@@ -94,14 +85,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
     const WindowMask mask = make_mask();
-    const PersistentTileScheduler scheduler = make_scheduler();
+    const PersistentTileScheduler order = Scheduler::order(params.scheduler, p);
     const int wg = warp_group - 1, tid = int(threadIdx.x) % 128;
     const WarpScheduler<Traits::kNMmaWarpGroups> ping_pong{wg};
     ping_pong.init();
     typename Mainloop::ConsumerState state;
     typename Traits::TiledMmaPV mma_pv;
-    for (int t = Mainloop::receive(shared, state); t < scheduler.num_tiles; t = Mainloop::receive(shared, state)) {
-      const TileCoord tile = scheduler.coord(t);
+    for (int t = Mainloop::receive(shared, state); t < order.num_tiles; t = Mainloop::receive(shared, state)) {
+      const TileCoord tile = order.coord(t);
       int n_min, n_max;
       mask.n_block_range<kBlockM, kBlockN>(tile.block, n_min, n_max);
       if (n_min >= n_max) {

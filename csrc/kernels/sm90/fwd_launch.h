@@ -4,14 +4,12 @@
 
 #include <cute/tensor.hpp>
 
-#include <algorithm>
-
 #include "kernels/common/launch_utils.h"
-#include "kernels/common/tile_scheduler.h"
 #include "kernels/sm90/fwd_kernel.h"
 #include "kernels/sm90/fwd_traits.h"
 #include "kernels/sm90/launch.h"
 #include "kernels/sm90/tile_config.h"
+#include "kernels/sm90/tile_scheduler.h"
 #include "kernels/sm90/tma_plan.h"
 
 namespace cutlass_flash::sm90 {
@@ -26,7 +24,7 @@ FwdKernelParams<Traits> make_fwd_kernel_params(const FwdParams& params) {
   kp.problem = p;
   kp.o = params.o;
   kp.lse = params.lse;
-  kp.num_m_blocks = ceil_div(p.seqlen_q, Traits::kBlockM);
+  kp.scheduler.num_m_blocks = ceil_div(p.seqlen_q, Traits::kBlockM);
   auto q = gmem_tensor<const Element>(params.q, p.seqlen_q, p, p.nheads);
   auto k = gmem_tensor<const Element>(params.k, p.seqlen_k, p, p.nheads_kv);
   auto v = gmem_tensor<const Element>(params.v, p.seqlen_k, p, p.nheads_kv);
@@ -65,14 +63,9 @@ Status run_fwd_traits(const FwdParams& params, cudaStream_t stream, int tile_gro
     if (Status s = check_tma_ref<Element>(*ref, name, "forward"); !s.ok()) return s;
   FwdKernelParams<Traits> kp = fwd_kernel_params<Traits>(params);
 
-  int num_sms = 0;
-  if (Status s = multiprocessor_count(num_sms); !s.ok()) return s;
-  const int grid = PersistentTileScheduler::grid_size(kp.num_m_blocks * p.nheads * p.batch, num_sms);
-  kp.tile_group = tile_group > 0 ? std::min(tile_group, p.nheads * p.batch)
-                                 : PersistentTileScheduler::group_size(p.nheads * p.batch);
-  kp.tile_counter = static_cast<int*>(params.workspace);
-  if (cudaError_t e = cudaMemsetAsync(kp.tile_counter, 0, sizeof(int), stream); e != cudaSuccess)
-    return cuda_status(e, "sm90 forward: zeroing the tile counter");
+  int grid = 0;
+  if (Status s = DynamicTileScheduler::launch_grid(p, params.workspace, tile_group, stream, kp.scheduler, grid); !s.ok())
+    return s;
   constexpr auto kernel = fwd_kernel<Traits>;
   if (Status s = ensure_smem_limit<kernel>(Traits::kSmemBytes); !s.ok()) return s;
   kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(kp);

@@ -53,10 +53,10 @@ struct FwdMainloop {
 
   // ---- producer: two threads of warpgroup 0 ----
   //
-  // The tile thread claims tiles (fwd_kernel.h), hands each tile's key range to the K/V thread and
-  // publishes the tile to the consumers with its Q; the K/V thread streams K and V through the
-  // pipelines. One thread doing both spilled its 24 registers once tiles were claimed from a
-  // global counter.
+  // The tile thread claims tiles (sm90/tile_scheduler.h), hands each tile's key range to the K/V
+  // thread and publishes the tile to the consumers with its Q; the K/V thread streams K and V
+  // through the pipelines. One thread doing both spilled its 24 registers once tiles were claimed
+  // from a global counter.
 
   struct KVState {
     PipelineState k = cutlass::make_producer_start_state<PipelineKV>();

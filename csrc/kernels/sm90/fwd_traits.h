@@ -10,18 +10,11 @@
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
 #include "cutlass_flash/params.h"
-#include "kernels/common/tile_scheduler.h"
+#include "kernels/sm90/tile_scheduler.h"
 
 namespace cutlass_flash::sm90 {
 
 using namespace cute;
-
-// A tile as the producer's tile thread hands it to its K/V thread: coordinates and key-block
-// range; coord.block < 0 ends the K/V thread's loop.
-struct TileWork {
-  TileCoord coord;
-  int n_min, n_max;
-};
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, typename Element_>
 struct FwdTraits {
@@ -101,10 +94,7 @@ struct FwdTraits {
     cutlass::arch::ClusterTransactionBarrier q_full;
     cutlass::arch::ClusterBarrier q_empty;
     int tile;
-    // The tile thread's hand-over of each tile to the K/V thread (fwd_kernel.h).
-    cutlass::arch::ClusterBarrier work_full;
-    cutlass::arch::ClusterBarrier work_empty;
-    TileWork work;
+    DynamicTileScheduler::SharedStorage scheduler;  // the tile thread's hand-over to the K/V thread
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= kMaxSmemBytes, "sm90 forward tile does not fit in shared memory");
@@ -126,9 +116,7 @@ struct FwdKernelParams {
   AttnProblem problem;
   TensorRef4 o;  // for tiles that see no key, stored directly
   float* lse;
-  int num_m_blocks;
-  int tile_group;     // PersistentTileScheduler::group
-  int* tile_counter;  // zeroed before each launch; see fwd_kernel.h
+  DynamicTileScheduler::Params scheduler;
   typename Traits::TmaQ tma_q;
   typename Traits::TmaKV tma_k;
   typename Traits::TmaKV tma_v;
