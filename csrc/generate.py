@@ -68,6 +68,9 @@ class Family:
     # Head dims of the backward when it covers fewer than `head_dims`; the others run on another
     # family's backward (cutlass_flash/_dispatch.py: FALLBACK_ARCH).
     bwd_head_dims: Optional[Tuple[int, ...]] = None
+    # Scratch memory of one forward call (FwdParams::workspace), from the host API's
+    # fwd_workspace_bytes and the tests' fake binding alike.
+    fwd_workspace_bytes: int = 0
 
     def head_dims_for(self, direction: str) -> Tuple[int, ...]:
         if direction == "bwd" and self.bwd_head_dims is not None:
@@ -102,7 +105,10 @@ FAMILIES: Tuple[Family, ...] = (
     # of K; those run on the sm80 backward (sm90/tile_config.h).
     Family(arch=90, directions=("fwd", "bwd"), head_dims=HEAD_DIMS,
            sass_default=("90a",), sass_allowed=("90a",),
-           defines=("CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",), bwd_head_dims=(64, 128)),
+           defines=("CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",), bwd_head_dims=(64, 128),
+           # The persistent forward's tile counter (one int, sm90/tile_scheduler.h) in 16 bytes,
+           # the alignment the host API checks.
+           fwd_workspace_bytes=16),
 )
 FAMILY_BY_ARCH: Dict[int, Family] = {f.arch: f for f in FAMILIES}
 
@@ -228,6 +234,9 @@ DTYPES = {tuple(DTYPES)!r}
 #: family arch -> {{direction: head dims}}.
 FAMILIES = {{
 {fams}}}
+
+#: family arch -> bytes of scratch memory one forward call needs.
+FWD_WORKSPACE_BYTES = {{{', '.join(f"{f.arch}: {f.fwd_workspace_bytes}" for f in FAMILIES)}}}
 """
 
 
@@ -568,7 +577,7 @@ def dispatch_table_source(insts: Sequence[Instantiation], knobs: Knobs) -> str:
     for f in FAMILIES:
         lines.append(f"    {{{f.arch}, {'true' if 'fwd' in f.directions else 'false'}, "
                      f"{'true' if 'bwd' in f.directions else 'false'}, kFamilyHeadDims{f.arch}, "
-                     f"{len(f.head_dims)}, {_cxx_str(f.sass_knob)}}},")
+                     f"{len(f.head_dims)}, {_cxx_str(f.sass_knob)}, {f.fwd_workspace_bytes}}},")
     lines += ["};", ""]
     lines.append(f"const int kArchs[] = {{{', '.join(map(str, knobs.archs))}}};")
     lines.append(f"const int kHeadDims[] = {{{', '.join(map(str, knobs.head_dims))}}};")

@@ -12,3 +12,6 @@ FAMILIES = {
     80: {'fwd': (64, 96, 128, 192, 256), 'bwd': (64, 96, 128, 192, 256)},
     90: {'fwd': (64, 96, 128, 192, 256), 'bwd': (64, 128)},
 }
+
+#: family arch -> bytes of scratch memory one forward call needs.
+FWD_WORKSPACE_BYTES = {80: 0, 90: 16}

@@ -31,7 +31,7 @@ def _generator():
         sys.modules[name] = mod
         spec.loader.exec_module(mod)
     return sys.modules[name]
-from cutlass_flash._catalog import HEAD_DIMS as INSTANTIATED
+from cutlass_flash._catalog import FWD_WORKSPACE_BYTES, HEAD_DIMS as INSTANTIATED
 
 
 def all_kernels(archs=(80, 90), head_dims=INSTANTIATED, dtypes=("fp16", "bf16")):
@@ -91,11 +91,11 @@ class FakeC:
 
     def fwd_workspace_bytes(self, **kw):
         p = self._problem("fwd", kw, check_built=False)
-        return 16 if p["arch"] == 90 else 0
+        return FWD_WORKSPACE_BYTES[p["arch"]]
 
     def fwd(self, q, k, v, o, lse_ptr, workspace_ptr, **kw):
         p = self._problem("fwd", kw)
-        if p["arch"] == 90:
+        if FWD_WORKSPACE_BYTES[p["arch"]]:
             assert workspace_ptr % 16 == 0 and workspace_ptr != 0, "workspace must be aligned"
         dtype = DTYPES[p["dtype"]]
         Q, K, V, Out = self._tensors(p, dtype, q=q, k=k, v=v, o=o)

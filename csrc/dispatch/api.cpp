@@ -259,7 +259,8 @@ Status run_bwd(const BwdParams& params, int arch, cudaStream_t stream) {
 }
 
 size_t fwd_workspace_bytes(const AttnProblem&, int arch) {
-  return arch == 90 ? 16 : 0;  // one int: the persistent kernel's tile counter
+  const dispatch::CatalogFamily* fam = dispatch::find_family(arch);
+  return fam == nullptr ? 0 : fam->fwd_workspace_bytes;
 }
 
 size_t bwd_workspace_bytes(const AttnProblem& problem, int arch, bool deterministic) {

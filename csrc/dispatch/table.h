@@ -30,6 +30,7 @@ struct CatalogFamily {
   const int* head_dims;
   size_t num_head_dims;
   const char* sass_knob;  // e.g. "CUTLASS_FLASH_SM80_SASS"
+  size_t fwd_workspace_bytes;
 };
 
 // A build knob as it was set for this build ("CUTLASS_FLASH_HEAD_DIMS", "64,128").
