@@ -1,8 +1,8 @@
-// sm90 backward kernel: one block per (key block, kv head, batch), warp-specialized. Warpgroup 0
-// loads (one thread: K, V, then Q and LSE per step; another: dO and D) and adds dQ to the
-// workspace (a third thread); warpgroups 1.. each own 64 of the block's keys and run the wgmma mainloop over every
-// query head of the kv head's group, so GQA/MQA dK and dV are summed in registers in a fixed
-// order and written once.
+// sm90 backward kernel, composed as bwd_kernel<Mainloop, Epilogue, Scheduler>: one block per (key
+// block, kv head, batch), warp-specialized. Warpgroup 0 loads (one thread: K, V, then Q and LSE
+// per step; another: dO and D) and adds dQ to the workspace (a third thread); warpgroups 1.. each
+// own 64 of the block's keys and run the wgmma mainloop over every query head of the kv head's
+// group, so GQA/MQA dK and dV are summed in registers in a fixed order and written once.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -20,10 +20,10 @@ namespace cutlass_flash::sm90 {
 
 using namespace cute;
 
-template <typename Traits>
-__global__ void __launch_bounds__(Traits::kNThreads, 1)
-    bwd_kernel(const __grid_constant__ BwdKernelParams<Traits> params) {
-  using Mainloop = BwdMainloop<Traits>;
+template <typename Mainloop, typename Epilogue, typename Scheduler>
+__global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
+    bwd_kernel(const __grid_constant__ BwdKernelParams<typename Mainloop::Traits> params) {
+  using Traits = typename Mainloop::Traits;
   using Pipeline = typename Traits::Pipeline;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
   constexpr int kQThread = 0, kdOThread = 32, kdQThread = 64;  // lane 0 of warps 0-2
@@ -34,7 +34,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int warp_group = cutlass::canonical_warp_group_idx();
   // Key blocks in blockIdx.x: under a causal mask the first ones see the most queries and start
   // first; deterministic mode relies on lower key blocks starting first (common/dq_semaphore.h).
-  const TileCoord tile = GridTileScheduler::get(/*longest_first=*/false);
+  const TileCoord tile = Scheduler::get(/*longest_first=*/false);
   const int n_block = tile.block, head_kv = tile.head;
   // Built after each role's setmaxnreg: values live across it are spilled (forward, entry 16).
   auto make_steps = [&](const WindowMask& mask) {
@@ -94,7 +94,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     clear(acc_dk);
     clear(acc_dv);
     if (steps.count() > 0) Mainloop::mma(params, shared, pipeline_q, pipeline_do, steps, mask, n_block, tid, acc_dk, acc_dv);
-    using Epilogue = BwdEpilogue<Traits>;
     Epilogue::store(params.dk, acc_dk, p.softmax_scale, tile.batch, head_kv, n_block, p.seqlen_k, tid);
     Epilogue::store(params.dv, acc_dv, 1.f, tile.batch, head_kv, n_block, p.seqlen_k, tid);
   }

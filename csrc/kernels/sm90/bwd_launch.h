@@ -71,7 +71,7 @@ Status run_bwd_traits(const BwdParams& params, cudaStream_t stream) {
   if (Status s = cuda_status(cudaGetLastError(), "sm90 backward preprocess launch"); !s.ok()) return s;
 
   const BwdKernelParams<Traits> kp = bwd_kernel_params<Traits>(params);
-  constexpr auto kernel = bwd_kernel<Traits>;
+  constexpr auto kernel = bwd_kernel<BwdMainloop<Traits>, BwdEpilogue<Traits>, GridTileScheduler>;
   if (Status s = ensure_smem_limit<kernel>(Traits::kSmemBytes); !s.ok()) return s;
   const dim3 grid = GridTileScheduler::grid(ceil_div(p.seqlen_k, Traits::kBlockN), p.nheads_kv, p.batch);
   kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(kp);

@@ -61,8 +61,9 @@ struct QueryStats {
   }
 };
 
-template <typename Traits>
+template <typename Traits_>
 struct BwdMainloop {
+  using Traits = Traits_;
   using Element = typename Traits::Element;
   using Pipeline = typename Traits::Pipeline;
   using PipelineState = typename Pipeline::PipelineState;

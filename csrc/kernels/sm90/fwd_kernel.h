@@ -1,7 +1,7 @@
-// sm90 forward kernel: a persistent, warp-specialized block. Warpgroup 0 (one thread) claims tiles
-// from a global counter, publishes each to the consumers and loads Q, K and V with TMA through
-// mbarrier pipelines; warpgroups 1.. each own 64 query rows of the tile and run the wgmma +
-// softmax mainloop, then the epilogue, tile after tile.
+// sm90 forward kernel, composed as fwd_kernel<Mainloop, Epilogue, Scheduler>: a persistent,
+// warp-specialized block. Warpgroup 0 claims tiles (Scheduler), publishes each to the consumers
+// and loads Q, K and V with TMA through mbarrier pipelines; warpgroups 1.. each own 64 query rows
+// of the tile and run the wgmma + softmax mainloop, then the epilogue, tile after tile.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -22,11 +22,10 @@ namespace cutlass_flash::sm90 {
 
 using namespace cute;
 
-template <typename Traits>
-__global__ void __launch_bounds__(Traits::kNThreads, 1)
-    fwd_kernel(const __grid_constant__ FwdKernelParams<Traits> params) {
-  using Mainloop = FwdMainloop<Traits>;
-  using Epilogue = FwdEpilogue<Traits>;
+template <typename Mainloop, typename Epilogue, typename Scheduler>
+__global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
+    fwd_kernel(const __grid_constant__ FwdKernelParams<typename Mainloop::Traits> params) {
+  using Traits = typename Mainloop::Traits;
   using PipelineKV = typename Traits::PipelineKV;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
   extern __shared__ __align__(1024) char smem[];
@@ -37,7 +36,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // The mask and the tile order are built after each role's setmaxnreg, not here: values live
   // across it were spilled at d = 256.
   auto make_mask = [&] { return WindowMask(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right); };
-  using Scheduler = DynamicTileScheduler;
 
   if (threadIdx.x == 0) {
     prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());

@@ -66,7 +66,7 @@ Status run_fwd_traits(const FwdParams& params, cudaStream_t stream, int tile_gro
   int grid = 0;
   if (Status s = DynamicTileScheduler::launch_grid(p, params.workspace, tile_group, stream, kp.scheduler, grid); !s.ok())
     return s;
-  constexpr auto kernel = fwd_kernel<Traits>;
+  constexpr auto kernel = fwd_kernel<FwdMainloop<Traits>, FwdEpilogue<Traits>, DynamicTileScheduler>;
   if (Status s = ensure_smem_limit<kernel>(Traits::kSmemBytes); !s.ok()) return s;
   kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(kp);
   return cuda_status(cudaGetLastError(), "sm90 forward launch");

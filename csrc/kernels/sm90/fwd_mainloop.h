@@ -44,8 +44,9 @@ struct WarpScheduler {
   }
 };
 
-template <typename Traits>
+template <typename Traits_>
 struct FwdMainloop {
+  using Traits = Traits_;
   using Element = typename Traits::Element;
   using PipelineKV = typename Traits::PipelineKV;
   using PipelineState = typename PipelineKV::PipelineState;
