@@ -1,13 +1,12 @@
 #!/usr/bin/env bash
 # A/B of kernel variants in one call on the GPU machine: each variant is this checkout with one
-# patch applied; all are built side by side (restricted knobs, in parallel), then each runs the
-# GPU tests that exercise what it changes and the benchmark, in turn, twice (the order ABC ABC,
-# so clock drift shows as a difference between rounds, not between variants).
+# patch of benchmarks/variants/ applied; all are built side by side (restricted knobs, in
+# parallel), then each runs the GPU tests and the benchmark, in turn, twice (the order ABC ABC, so
+# clock drift shows as a difference between rounds, not between variants).
 #
-#   git diff main next-gpu~1 > .carry/var/C.patch          # here; .carry/ is git-ignored
-#   OUT=$OUT VARIANTS="base C" bash benchmarks/device_variants.sh    # there, carry .carry
+#   OUT=$OUT VARIANTS="base dv-early downward-walk" bash benchmarks/device_variants.sh
 #
-# "base" is the checkout as it is. Knobs: DIMS (head dims, default 64,128), DTYPES (bf16),
+# "base" is the checkout as it is; NAME is benchmarks/variants/NAME.patch. Knobs: DIMS (head dims, default 64,128), DTYPES (bf16),
 # ARCHS (90), TESTS (pytest arguments, default: every GPU test of the restricted build), BENCH
 # (extra benchmark arguments, default: backward, 2k and 8k tokens, causal and not, against
 # cuDNN). Needs the nvidia-cutlass wheel under .carry/ (see benchmarks/device_build.sh).
@@ -24,7 +23,7 @@ root=$(pwd)
 for v in $VARIANTS; do
   rm -rf "/tmp/v$v" && mkdir -p "/tmp/v$v"
   tar -C "$root" --exclude=./build --exclude=./.carry -cf - . | tar -C "/tmp/v$v" -xf -
-  if [ "$v" != base ]; then (cd "/tmp/v$v" && patch -s -p1 < "$root/.carry/var/$v.patch") || exit 1; fi
+  if [ "$v" != base ]; then (cd "/tmp/v$v" && patch -s -p1 < "$root/benchmarks/variants/$v.patch") || exit 1; fi
   (cd "/tmp/v$v" && CUTLASS_FLASH_ARCHS=$ARCHS CUTLASS_FLASH_HEAD_DIMS=$DIMS CUTLASS_FLASH_DTYPES=$DTYPES \
      CUTLASS_FLASH_JOBS=8 python3 setup.py build_ext --inplace >"$OUT/build_$v.log" 2>&1
    echo "build $v: rc=$?"; grep -E "nvcc .*spill" "$OUT/build_$v.log" | grep -v " 0 B spill") &
