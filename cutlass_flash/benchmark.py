@@ -40,6 +40,8 @@ SDPA_LABEL = {"sdpa-flash": "FA2", "sdpa-cudnn": "cuDNN", "sdpa-efficient": "eff
 # Reference implementations in the order of the "ours / ..." ratio columns, and their short names.
 RATIO_REFS = ("sdpa-flash", "sdpa-cudnn", "fa3")
 REF_LABEL = {**SDPA_LABEL, "fa3": "FA3"}
+# Every --impls value; ours-det is ours with deterministic=True.
+IMPLS = ("ours", "ours-det", *SDPA_IMPLS, "fa3")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -98,9 +100,9 @@ def _dtypes(text):
 def _impls(text):
     out = [x.strip() for x in text.split(",") if x.strip()]
     for x in out:
-        if x not in ("ours", "ours-det") + SDPA_IMPLS + ("fa3",):
+        if x not in IMPLS:
             raise argparse.ArgumentTypeError(
-                f"--impls: expected some of ours, ours-det, {', '.join(SDPA_IMPLS)}, fa3; got {x!r}"
+                f"--impls: expected some of {', '.join(IMPLS)}; got {x!r}"
             )
     return out
 
