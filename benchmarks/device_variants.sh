@@ -31,7 +31,7 @@ done
 wait
 for v in $VARIANTS; do
   echo "== tests $v"
-  (cd "/tmp/v$v" && timeout 300 python3 -m pytest -q -x -n 6 tests $TESTS 2>&1 | tail -2)
+  (cd "/tmp/v$v" && eval "timeout 300 python3 -m pytest -q -n 6 -rf tests $TESTS" 2>&1 | grep -E "^FAILED|passed|failed" | cut -c1-200)
 done
 for r in 1 2; do
   for v in $VARIANTS; do

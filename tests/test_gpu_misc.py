@@ -177,6 +177,7 @@ OPCHECK_CASES = [
 
 @pytest.mark.parametrize("case", OPCHECK_CASES, ids=lambda c: c.id)
 def test_opcheck(case):
+    skip_if_not_built(case)
     q, k, v = make_inputs(case, "cuda")
     q, k, v = (t.detach().contiguous().requires_grad_() for t in (q, k, v))
     wr = 0 if case.causal else -1
@@ -224,6 +225,7 @@ def test_compile_fullgraph_training_step():
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = TinyAttention()
+    skip_if_not_built(Case(2, 200, 200, model.nheads, model.nheads_kv, model.head_dim, "bf16", True, 0))
     x = torch.randn(2, 200, 256, device="cuda", dtype=torch.bfloat16)
     loss_e, grads_e = _train_step(model, model, x)
     compiled = torch.compile(model, fullgraph=True)  # raises on any graph break
@@ -287,6 +289,7 @@ def test_missing_kernel_raises_not_implemented(monkeypatch):
 
 def test_side_stream():
     case = Case(2, 300, 300, 4, 4, 64, "fp16", True, 0)
+    skip_if_not_built(case)
     q, k, v = (t.detach() for t in make_inputs(case, "cuda"))
     ref = flash_attn_func(q, k, v, causal=True)
     s = torch.cuda.Stream()
@@ -299,6 +302,7 @@ def test_side_stream():
 
 def test_cuda_graph_capture():
     case = Case(2, 256, 256, 4, 2, 128, "bf16", True, 0)
+    skip_if_not_built(case)
     q, k, v = (t.detach() for t in make_inputs(case, "cuda"))
     ref = flash_attn_func(q, k, v, causal=True)
     s = torch.cuda.Stream()
@@ -318,6 +322,7 @@ def test_cuda_graph_capture():
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_tensors_on_second_gpu():
     case = Case(2, 128, 200, 4, 2, 64, "bf16", True, 0)
+    skip_if_not_built(case)
     torch.cuda.set_device(0)
     check_case(case, device="cuda:1")
     assert torch.cuda.current_device() == 0

@@ -52,6 +52,19 @@ struct BwdDqOrder {
   }
 };
 
+// threadIdx.x (of a block of kNThreads threads), read where it is called: the compiler cannot
+// prove it equal to an earlier read, so the thread offsets derived from it are computed after this
+// point instead of being hoisted out of the loop and held in registers across it. The range is
+// restated for the compiler (what it knows of threadIdx.x), so that offsets like i * kNThreads + t
+// still fold into one address plus constants.
+template <int kNThreads>
+__device__ __forceinline__ int tid_here() {
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  __builtin_assume(t >= 0 && t < kNThreads);
+  return t;
+}
+
 template <typename Traits>
 struct BwdMainloop {
   using Element = typename Traits::Element;
@@ -59,6 +72,20 @@ struct BwdMainloop {
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kHeadDim = Traits::kHeadDim;
   static constexpr int kQStages = Traits::kQStages;
+  static constexpr int kNThreads = Traits::kNThreads;
+
+  // The thread index that offsets computed inside the loop derive from. kLateOffsets: a fresh read,
+  // so they are computed where used; otherwise threadIdx.x as read at the start, so the compiler
+  // hoists them out of the loop and keeps them in registers (no recomputation) where it has room.
+  __device__ static int loop_tid() {
+    if constexpr (Traits::kLateOffsets) {
+      return tid_here<kNThreads>();
+    } else {
+      const int t = threadIdx.x;
+      __builtin_assume(t >= 0 && t < kNThreads);
+      return t;
+    }
+  }
 
   // gQ, gdO: (kBlockM, d, num_m); gK, gV: (kBlockN, d); dq_accum: this (batch, head)'s fp32 dQ
   // tiles in thread-major order (dq_accum_index); lse, dpsum: this (batch, head)'s rows. Runs
@@ -88,19 +115,19 @@ struct BwdMainloop {
     Tensor sdSt = make_tensor(sdS.data(), typename Traits::SmemLayoutPdSt{});
     Tensor sdStNoSwizzle = make_tensor(sdS.data(), typename Traits::SmemLayoutPdStNoSwizzle{});
 
-    // Global -> shared.
+    // Register budget: the peak is the dP GEMM, where the dK and dV accumulators, P (fp32) and dP
+    // are all live. Only what S = Q K^T and dP = dO V^T need is partitioned here, once; the
+    // thread's offsets into everything used after dP (P/dS stores, the dV, dK, dQ GEMMs, the
+    // global loads) and its S coordinates are derived inside the loop from loop_tid(), which with
+    // Traits::kLateOffsets keeps them from being hoisted and held through the dP GEMM.
     typename Traits::GmemCopyIn gmem_copy;
-    auto gmem_thr = gmem_copy.get_thread_slice(tid);
-    Tensor tQgQ = gmem_thr.partition_S(gQ);
-    Tensor tQsQ = gmem_thr.partition_D(sQ);
-    Tensor tdOgdO = gmem_thr.partition_S(gdO);
-    Tensor tdOsdO = gmem_thr.partition_D(sdO);
-    Tensor tKgK = gmem_thr.partition_S(gK);
-    Tensor tKsK = gmem_thr.partition_D(sK);
-    Tensor tVgV = gmem_thr.partition_S(gV);
-    Tensor tVsV = gmem_thr.partition_D(sV);
-    Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-    Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+    // Global -> shared copy of one (rows, d) tile, rows at or past `rows` zero-filled.
+    auto load_tile = [&](const auto& g_tile, auto& s_tile, int rows, int t) {
+      auto thr = gmem_copy.get_thread_slice(t);
+      Tensor tcoord = thr.partition_S(make_identity_tensor(shape(g_tile)));
+      Tensor dst = thr.partition_D(s_tile);
+      copy_rows(gmem_copy, thr.partition_S(g_tile), dst, tcoord, rows);
+    };
 
     // S = Q K^T and dP = dO V^T.
     typename Traits::TiledMmaSdP mma_sdp;
@@ -117,59 +144,42 @@ struct BwdMainloop {
     auto thr_b_sdp = copy_b_sdp.get_thread_slice(tid);
     Tensor tSsK = thr_b_sdp.partition_S(sK);
     Tensor tdPsV = thr_b_sdp.partition_S(sV);
-    Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
-    Tensor tScS_rc = rowcol_view(tScS);
+    auto s_coords = [&](int t) {  // (row, col) of each of the thread's S entries
+      return mma_sdp.get_thread_slice(t).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+    };
     auto copy_pds = make_tiled_copy_C(typename Traits::SmemCopyAtomStore{}, mma_sdp);
-    auto thr_pds = copy_pds.get_thread_slice(tid);
-    Tensor tPsP = thr_pds.partition_D(sP);
-    Tensor tdSsdS = thr_pds.partition_D(sdS);
 
     // dV += P^T dO and dK += dS^T Q.
     typename Traits::TiledMmadKV mma_dkv;
-    auto thr_dkv = mma_dkv.get_thread_slice(tid);
-    Tensor tdVrPt = thr_dkv.partition_fragment_A(sPtNoSwizzle);
-    Tensor tdVrdO = thr_dkv.partition_fragment_B(sdOtNoSwizzle);
-    Tensor tdKrdSt = thr_dkv.partition_fragment_A(sdStNoSwizzle);
-    Tensor tdKrQt = thr_dkv.partition_fragment_B(sQtNoSwizzle);
     auto copy_a_dkv = make_tiled_copy_A(typename Traits::SmemCopyAtomT{}, mma_dkv);
-    auto thr_a_dkv = copy_a_dkv.get_thread_slice(tid);
-    Tensor tdVsPt = thr_a_dkv.partition_S(sPt);
-    Tensor tdKsdSt = thr_a_dkv.partition_S(sdSt);
     auto copy_b_dkv = make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, mma_dkv);
-    auto thr_b_dkv = copy_b_dkv.get_thread_slice(tid);
-    Tensor tdVsdOt = thr_b_dkv.partition_S(sdOt);
-    Tensor tdKsQt = thr_b_dkv.partition_S(sQt);
 
     // dQ = dS K.
     typename Traits::TiledMmadQ mma_dq;
-    auto thr_dq = mma_dq.get_thread_slice(tid);
-    Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
-    Tensor tdQrKt = thr_dq.partition_fragment_B(sKtNoSwizzle);
     auto copy_a_dq = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma_dq);
-    auto thr_a_dq = copy_a_dq.get_thread_slice(tid);
-    Tensor tdQsdS = thr_a_dq.partition_S(sdS);
     auto copy_b_dq = make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, mma_dq);
-    auto thr_b_dq = copy_b_dq.get_thread_slice(tid);
-    Tensor tdQsKt = thr_b_dq.partition_S(sKt);
 
     const int seqlen_q = mask.seqlen_q;
-    const int rows_k = mask.seqlen_k - n_block * kBlockN;
-    auto load_q = [&](int m, int stage) {
-      Tensor dst = make_tensor(tQsQ.data() + stage * kQTile, tQsQ.layout());
-      copy_rows(gmem_copy, tQgQ(_, _, _, m), dst, tQcQ, seqlen_q - m * kBlockM);
-    };
-    copy_rows(gmem_copy, tKgK, tKsK, tKVcKV, rows_k);
-    copy_rows(gmem_copy, tVgV, tVsV, tKVcKV, rows_k);
-    load_q(m_max - 1, 0);
-    copy_rows(gmem_copy, tdOgdO(_, _, _, m_max - 1), tdOsdO, tQcQ, seqlen_q - (m_max - 1) * kBlockM);
-    cp_async_fence();
+    auto q_stage = [&](int stage) { return make_tensor(sQ.data() + stage * kQTile, sQ.layout()); };
+    {
+      const int t = loop_tid();  // not held across the loop for the next head's call
+      const int rows_k = mask.seqlen_k - n_block * kBlockN;
+      load_tile(gK, sK, rows_k, t);
+      load_tile(gV, sV, rows_k, t);
+      Tensor sQ0 = q_stage(0);
+      load_tile(gQ(_, _, m_max - 1), sQ0, seqlen_q - (m_max - 1) * kBlockM, t);
+      load_tile(gdO(_, _, m_max - 1), sdO, seqlen_q - (m_max - 1) * kBlockM, t);
+      cp_async_fence();
+    }
 
-    constexpr int kRows = decltype(size<0>(tScS_rc))::value;
+    constexpr int kRows = decltype(size<0>(rowcol_view(s_coords(0))))::value;
     int stage = 0;
     for (int m = m_max - 1; m >= m_min; --m) {
       // Per-row LSE (pre-scaled to log2) and D = rowsum(dO * O). Rows past the end get
       // LSE = +inf so that P = 0 there, and D = 0.
       float lse_r[kRows], dpsum_r[kRows];
+      Tensor tScS = s_coords(loop_tid());
+      Tensor tScS_rc = rowcol_view(tScS);
       CUTE_UNROLL
       for (int mi = 0; mi < kRows; ++mi) {
         const int row = m * kBlockM + get<0>(tScS_rc(mi, 0));
@@ -181,13 +191,18 @@ struct BwdMainloop {
       cp_async_wait<0>();
       __syncthreads();  // Q(m), dO(m) visible; every warp finished iteration m+1's reads
       if (kQStages == 2 && m > m_min) {
-        load_q(m - 1, stage ^ 1);
+        Tensor sQ_next = q_stage(stage ^ 1);
+        load_tile(gQ(_, _, m - 1), sQ_next, seqlen_q - (m - 1) * kBlockM, loop_tid());
         cp_async_fence();
       }
       Tensor tSsQ_m = make_tensor(tSsQ.data() + stage * kQTile, tSsQ.layout());
       gemm_ss(acc_s, tSrQ, tSrK, tSsQ_m, tSsK, mma_sdp, copy_a_sdp, copy_b_sdp, thr_a_sdp, thr_b_sdp);
       if (mask.block_needs_mask<kBlockM, kBlockN>(m, n_block)) {
-        mask.apply(acc_s, tScS, m * kBlockM, n_block * kBlockN);
+        // The thread's first (row, col) goes into the offsets, so each entry's coordinates are
+        // compile-time constants: with tScS itself, its 16 column indices were hoisted out of the
+        // loop and held in registers through the dP GEMM (d = 64: 12 of the 36 B spilled).
+        const auto c0 = s_coords(loop_tid())(0);
+        mask.apply(acc_s, make_coord_tensor(tScS.layout()), m * kBlockM + get<0>(c0), n_block * kBlockN + get<1>(c0));
       }
       Tensor p_rc = rowcol_view(acc_s);
       CUTE_UNROLL
@@ -205,34 +220,64 @@ struct BwdMainloop {
         CUTE_UNROLL
         for (int ni = 0; ni < size<1>(ds_rc); ++ni) ds_rc(mi, ni) = p_rc(mi, ni) * (ds_rc(mi, ni) - dpsum_r[mi]);
       }
-      Tensor rP = convert_type<Element>(acc_s);
-      Tensor rdS = convert_type<Element>(acc_dp);
-      copy(copy_pds, thr_pds.retile_S(rP), tPsP);
-      copy(copy_pds, thr_pds.retile_S(rdS), tdSsdS);
+      const int t = loop_tid();  // everything below: offsets computed here, after the peak
+      {
+        Tensor rP = convert_type<Element>(acc_s);
+        Tensor rdS = convert_type<Element>(acc_dp);
+        auto thr_pds = copy_pds.get_thread_slice(t);
+        copy(copy_pds, thr_pds.retile_S(rP), thr_pds.partition_D(sP));
+        copy(copy_pds, thr_pds.retile_S(rdS), thr_pds.partition_D(sdS));
+      }
       __syncthreads();  // P and dS visible
 
-      gemm_ss(acc_dv, tdVrPt, tdVrdO, tdVsPt, tdVsdOt, mma_dkv, copy_a_dkv, copy_b_dkv, thr_a_dkv, thr_b_dkv);
+      auto thr_dkv = mma_dkv.get_thread_slice(t);
+      auto thr_a_dkv = copy_a_dkv.get_thread_slice(t);
+      auto thr_b_dkv = copy_b_dkv.get_thread_slice(t);
+      {
+        Tensor tdVrPt = thr_dkv.partition_fragment_A(sPtNoSwizzle);
+        Tensor tdVrdO = thr_dkv.partition_fragment_B(sdOtNoSwizzle);
+        gemm_ss(acc_dv, tdVrPt, tdVrdO, thr_a_dkv.partition_S(sPt), thr_b_dkv.partition_S(sdOt), mma_dkv,
+                copy_a_dkv, copy_b_dkv, thr_a_dkv, thr_b_dkv);
+      }
       __syncthreads();  // every warp finished reading dO(m)
       if (m > m_min) {
-        copy_rows(gmem_copy, tdOgdO(_, _, _, m - 1), tdOsdO, tQcQ, seqlen_q - (m - 1) * kBlockM);
+        load_tile(gdO(_, _, m - 1), sdO, seqlen_q - (m - 1) * kBlockM, t);
         cp_async_fence();
       }
 
-      Tensor tdKsQt_m = make_tensor(tdKsQt.data() + stage * kQTile, tdKsQt.layout());
-      gemm_ss(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt_m, mma_dkv, copy_a_dkv, copy_b_dkv, thr_a_dkv, thr_b_dkv);
+      {
+        Tensor tdKrdSt = thr_dkv.partition_fragment_A(sdStNoSwizzle);
+        Tensor tdKrQt = thr_dkv.partition_fragment_B(sQtNoSwizzle);
+        Tensor tdKsQt = thr_b_dkv.partition_S(sQt);
+        Tensor tdKsQt_m = make_tensor(tdKsQt.data() + stage * kQTile, tdKsQt.layout());
+        gemm_ss(acc_dk, tdKrdSt, tdKrQt, thr_a_dkv.partition_S(sdSt), tdKsQt_m, mma_dkv, copy_a_dkv, copy_b_dkv,
+                thr_a_dkv, thr_b_dkv);
+      }
       if (kQStages == 1 && m > m_min) {
         __syncthreads();  // every warp finished reading Q(m)
-        load_q(m - 1, 0);
+        Tensor sQ0 = q_stage(0);
+        load_tile(gQ(_, _, m - 1), sQ0, seqlen_q - (m - 1) * kBlockM, t);
         cp_async_fence();
       }
 
       Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
       clear(acc_dq);
-      gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, copy_a_dq, copy_b_dq, thr_a_dq, thr_b_dq);
-      float* dq_tile = dq_accum + m * (kBlockM * kHeadDim);
+      {
+        auto thr_dq = mma_dq.get_thread_slice(t);
+        Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
+        Tensor tdQrKt = thr_dq.partition_fragment_B(sKtNoSwizzle);
+        auto thr_a_dq = copy_a_dq.get_thread_slice(t);
+        auto thr_b_dq = copy_b_dq.get_thread_slice(t);
+        gemm_ss(acc_dq, tdQrdS, tdQrKt, thr_a_dq.partition_S(sdS), thr_b_dq.partition_S(sKt), mma_dq, copy_a_dq,
+                copy_b_dq, thr_a_dq, thr_b_dq);
+      }
+      // This thread's first accumulator of tile m; the i-th is i * kNThreads floats further
+      // (dq_accum_index), so every atomic addresses it with an immediate offset instead of a 64-bit
+      // address computation of its own.
+      float* dq_thr = dq_accum + m * (kBlockM * kHeadDim) + dq_accum_index<Traits>(0, t);
       dq_order.before<kBlockM, kBlockN>(mask, m);
       CUTE_UNROLL
-      for (int i = 0; i < size(acc_dq); ++i) atomicAdd(dq_tile + dq_accum_index<Traits>(i, tid), acc_dq(i));
+      for (int i = 0; i < size(acc_dq); ++i) atomicAdd(dq_thr + i * kNThreads, acc_dq(i));
       dq_order.after<kBlockM>(m);
       if (kQStages == 2) stage ^= 1;
     }

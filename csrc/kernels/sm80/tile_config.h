@@ -31,6 +31,13 @@ struct BwdTile {
   int atom_n_dkv;   // warps along N for dK, dV
   int atom_m_dq;    // warps along M for dQ
   int q_stages;     // 2: the next Q block loads during the current one
+  // true: the thread's shared/global-memory offsets used after the dP GEMM (P/dS stores, dV/dK/dQ
+  // GEMMs, Q/dO loads) are recomputed in each iteration instead of being held in registers through
+  // it, the register peak (bwd_mainloop.h). ptxas (nvcc 13.0), SASS instructions of one query block
+  // (loop body, sm_80/sm_90) with false -> true: d = 64: 1802/1817 -> 1855/1889; d = 96:
+  // 1158/1185 -> 1154/1164; d = 128: 4 B spilled on sm_80 -> none, 1478/1516 -> 1473/1411;
+  // d = 192: 1110/1118 -> 1107/1124; d = 256: 1338/1361 -> 1348/1356. No spills otherwise.
+  bool late_offsets;
 };
 
 constexpr BwdTile bwd_tile(int head_dim) {
@@ -38,10 +45,10 @@ constexpr BwdTile bwd_tile(int head_dim) {
   // Q, dO. FlashAttention-2's sm80 choices. Above 128, a second Q stage would need 176 KB of
   // shared memory at d = 256, more than an A100 has (164 KB), so Q is single-buffered there.
   // d = 96 spreads the dQ warps 4 x 2 so that the dQ MMA's 32-column extent divides 96.
-  return head_dim <= 64    ? BwdTile{128, 128, 8, 4, 4, 4, 2}
-         : head_dim <= 96  ? BwdTile{64, 128, 8, 2, 4, 4, 2}
-         : head_dim <= 128 ? BwdTile{64, 128, 8, 2, 4, 2, 2}
-                           : BwdTile{64, 64, 8, 4, 2, 2, 1};
+  return head_dim <= 64    ? BwdTile{128, 128, 8, 4, 4, 4, 2, false}
+         : head_dim <= 96  ? BwdTile{64, 128, 8, 2, 4, 4, 2, true}
+         : head_dim <= 128 ? BwdTile{64, 128, 8, 2, 4, 2, 2, true}
+                           : BwdTile{64, 64, 8, 4, 2, 2, 1, false};
 }
 
 }  // namespace cutlass_flash::sm80
