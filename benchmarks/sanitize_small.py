@@ -6,7 +6,8 @@
 Sizes are awkward on purpose (partial query and key blocks, seqlen_q != seqlen_k both ways, GQA).
 The second shape has more query tiles (4 x 4 x 9 = 144 at 128 rows) than an H100/H200 has SMs, so
 the persistent sm90 kernel takes a second tile on some blocks (Q and O shared memory reused), and
-with causal, query rows that see no key. Pass 80 or 90 to force a kernel family.
+with causal, query rows that see no key. Pass 80 or 90 to force a kernel family, and a comma-separated
+list of head dims to check only those (default: every head dim with a built backward).
 """
 import sys
 
@@ -18,6 +19,8 @@ import cutlass_flash
 def main():
     arch = int(sys.argv[1]) if len(sys.argv) > 1 else 0
     dims = sorted({d for (a, direction, d, dt) in cutlass_flash.built_kernels() if direction == "bwd"})
+    if len(sys.argv) > 2:
+        dims = [int(d) for d in sys.argv[2].split(",")]
     torch.manual_seed(0)
     shapes = ((1, 77, 131), (4, 1100, 600))  # (batch, seqlen_q, seqlen_k)
     cases = [(d, shape, causal) for d in dims for shape in shapes for causal in (False, True)]

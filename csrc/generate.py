@@ -99,13 +99,12 @@ FAMILIES: Tuple[Family, ...] = (
     # exist only in the arch-specific sm_90a target.
     # CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED: wgmma atoms with N = 80, 112, ... (else CuTe splits
     # an N = 80 GEMM into five 64x16 atoms).
-    # Backward at d = 64 and 128: its consumer warpgroups keep their keys' dK and dV in registers
-    # (2 x 64 x d fp32 per warpgroup, d registers a thread), which d = 192/256 exceed, and split
-    # dQ's columns in halves, which at d = 96 (48 columns) cut through the 32-column swizzle atom
-    # of K; those run on the sm80 backward (sm90/tile_config.h).
+    # Backward at d = 64, 128 (keys per warpgroup) and 192, 256 (split d), sm90/tile_config.h.
+    # Both split a tile's columns in halves between two warpgroups, which at d = 96 (48 columns)
+    # cuts through the 32-column swizzle atom of K, Q and dO: d = 96 runs on the sm80 backward.
     Family(arch=90, directions=("fwd", "bwd"), head_dims=HEAD_DIMS,
            sass_default=("90a",), sass_allowed=("90a",),
-           defines=("CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",), bwd_head_dims=(64, 128),
+           defines=("CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",),
            # The persistent forward's tile counter (one int, sm90/tile_scheduler.h) in 16 bytes,
            # the alignment the host API checks.
            fwd_workspace_bytes=16),

@@ -10,7 +10,7 @@ DTYPES = ('fp16', 'bf16')
 #: family arch -> {direction: head dims}.
 FAMILIES = {
     80: {'fwd': (64, 96, 128, 192, 256), 'bwd': (64, 96, 128, 192, 256)},
-    90: {'fwd': (64, 96, 128, 192, 256), 'bwd': (64, 128)},
+    90: {'fwd': (64, 96, 128, 192, 256), 'bwd': (64, 96, 128, 192, 256)},
 }
 
 #: family arch -> bytes of scratch memory one forward call needs.

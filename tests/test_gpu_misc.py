@@ -142,7 +142,7 @@ def _grads(case, q, k, v, dout, deterministic):
     return torch.autograd.grad(out, (qg, kg, vg), dout)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["nomask", "causal"])
 @pytest.mark.parametrize("arch", kernel_archs(), ids=lambda a: f"sm{a}")
 def test_backward_deterministic(arch, causal, head_dim):

@@ -1,8 +1,9 @@
 // sm90 backward kernel, composed as bwd_kernel<Mainloop, Epilogue, Scheduler>: one block per (key
 // block, kv head, batch), warp-specialized. Warpgroup 0 loads (one thread: K, V, then Q and LSE
-// per step; another: dO and D) and adds dQ to the workspace (a third thread); warpgroups 1.. each
-// own 64 of the block's keys and run the wgmma mainloop over every query head of the kv head's
-// group, so GQA/MQA dK and dV are summed in registers in a fixed order and written once.
+// per step; another: dO and D) and, in the keys-per-warpgroup layout, adds dQ to the workspace (a
+// third thread); warpgroups 1.. run the wgmma mainloop (bwd_mainloop.h: each owns 64 of the
+// block's keys; bwd_mainloop_split_d.h: each owns half the head dim) over every query head of the
+// kv head's group, so GQA/MQA dK and dV are summed in registers in a fixed order and written once.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -51,8 +52,10 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
     prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
     prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
     shared.kv_full.init(1);
-    shared.dq_full.init(Traits::kNMmaThreads);
-    shared.dq_empty.init(1);
+    if constexpr (Traits::kDqThread) {
+      shared.dq_full.init(Traits::kNMmaThreads);
+      shared.dq_empty.init(1);
+    }
   }
   // The leader of a pipeline is its producer thread: it arms the full barrier with the stage's
   // transaction bytes (a pipeline whose loads come from a non-leader never completes a stage).
@@ -80,7 +83,7 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
     } else if (threadIdx.x == kdOThread) {  // dO with its D
       Mainloop::load_rows(params.tma_do, p, params.seqlen_q_rounded, pipeline_do, shared.dout.data(),
                           shared.dpsum.data(), params.dpsum, make_steps(make_mask()));
-    } else if (threadIdx.x == kdQThread) {
+    } else if (Traits::kDqThread && threadIdx.x == kdQThread) {
       Mainloop::store_dq(shared, make_steps(make_mask()).count());
     }
   } else {

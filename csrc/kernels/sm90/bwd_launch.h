@@ -10,6 +10,7 @@
 #include "kernels/common/tile_scheduler.h"
 #include "kernels/sm90/bwd_epilogue.h"
 #include "kernels/sm90/bwd_kernel.h"
+#include "kernels/sm90/bwd_mainloop_split_d.h"
 #include "kernels/sm90/bwd_traits.h"
 #include "kernels/sm90/launch.h"
 #include "kernels/sm90/tile_config.h"
@@ -59,8 +60,9 @@ BwdKernelParams<Traits> bwd_kernel_params(const BwdParams& params) {
   return kp;
 }
 
-template <typename Traits>
-Status run_bwd_traits(const BwdParams& params, cudaStream_t stream) {
+template <typename Mainloop>
+Status run_bwd_mainloop(const BwdParams& params, cudaStream_t stream) {
+  using Traits = typename Mainloop::Traits;
   using Element = typename Traits::Element;
   constexpr int kHeadDim = Traits::kHeadDim;
   const AttnProblem& p = params.problem;
@@ -71,7 +73,7 @@ Status run_bwd_traits(const BwdParams& params, cudaStream_t stream) {
   if (Status s = cuda_status(cudaGetLastError(), "sm90 backward preprocess launch"); !s.ok()) return s;
 
   const BwdKernelParams<Traits> kp = bwd_kernel_params<Traits>(params);
-  constexpr auto kernel = bwd_kernel<BwdMainloop<Traits>, BwdEpilogue<Traits>, GridTileScheduler>;
+  constexpr auto kernel = bwd_kernel<Mainloop, BwdEpilogue<Traits>, GridTileScheduler>;
   if (Status s = ensure_smem_limit<kernel>(Traits::kSmemBytes); !s.ok()) return s;
   const dim3 grid = GridTileScheduler::grid(ceil_div(p.seqlen_k, Traits::kBlockN), p.nheads_kv, p.batch);
   kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(kp);
@@ -85,7 +87,13 @@ Status run_bwd_traits(const BwdParams& params, cudaStream_t stream) {
 template <int kHeadDim, typename Element>
 Status run_bwd(const BwdParams& params, cudaStream_t stream) {
   constexpr BwdTile kTile = bwd_tile(kHeadDim);
-  return run_bwd_traits<BwdTraits<kHeadDim, kTile.block_m, kTile.mma_warpgroups, kTile.stages, Element>>(params, stream);
+  if constexpr (kTile.layout == BwdLayout::kKeysPerWarpgroup) {
+    return run_bwd_mainloop<BwdMainloop<BwdTraits<kHeadDim, kTile.block_m, kTile.mma_warpgroups, kTile.stages, Element>>>(
+        params, stream);
+  } else {
+    return run_bwd_mainloop<BwdMainloopSplitD<BwdTraitsSplitD<kHeadDim, kTile.block_m, kTile.stages, Element>>>(params,
+                                                                                                            stream);
+  }
 }
 
 }  // namespace cutlass_flash::sm90

@@ -30,16 +30,20 @@ struct DqTarget {
   int turn;
 };
 
-template <int kHeadDim_, int kBlockM_, int kNMmaWarpGroups_, int kStages_, typename Element_>
-struct BwdTraits {
+// What both layouts share: the shapes, the (query, d) and (key, d) tiles in shared memory with
+// their transposed views, the dS tile, the TMA copies and the pipelines of Q and dO.
+// kSplitCols: the widest column range of the (key, d) and (query, d) tiles that one warpgroup's
+// wgmma reads on its own (dQ's columns, or dK/dV's in the split-d layout). The tiles' swizzle atom
+// is chosen to divide it, as a wgmma operand cannot start inside an atom: d = 96 splits into
+// 48-column halves (16-column atoms), d = 192 into 96 (32-column atoms).
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNMmaWarpGroups_, int kStages_, int kSplitCols, typename Element_>
+struct BwdTraitsBase {
   using Element = Element_;
-  static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kStages = kStages_;
+  static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kStages = kStages_;
   static constexpr int kNMmaWarpGroups = kNMmaWarpGroups_;
-  static constexpr int kBlockN = 64 * kNMmaWarpGroups;
   static constexpr int kNMmaThreads = kNMmaWarpGroups * 128;
   static constexpr int kNThreads = kNMmaThreads + 128;
   static_assert(kNMmaWarpGroups == 2 || kNMmaWarpGroups == 3);
-  static_assert(kBlockM % 64 == 0 && kHeadDim % (16 * kNMmaWarpGroups) == 0);
   // setmaxnreg moves registers within the block's launch allocation (384 threads x 168 = 64512):
   // 2 consumer warpgroups 128 x 24 + 256 x 240 = 64512. Asking for more than the block holds
   // blocks setmaxnreg.inc forever (seen: 32 + 240 hung the first GPU run).
@@ -48,6 +52,73 @@ struct BwdTraits {
 
   using WarpGroupsAlongM = Layout<Shape<Int<kNMmaWarpGroups>, _1, _1>>;
   using WarpGroupsAlongN = Layout<Shape<_1, Int<kNMmaWarpGroups>, _1>>;
+
+  template <GMMA::Major kMajor, int kRows, int kCols>
+  using SmemAtom = decltype(cutlass::gemm::collective::detail::ss_smem_selector<kMajor, Element, Int<kRows>, Int<kCols>>());
+  // K and V: (key, d), K-major A operands of S^T / dP^T; K also the MN-major B operand of dQ.
+  using SmemLayoutKV = decltype(tile_to_shape(SmemAtom<GMMA::Major::K, kBlockN, kSplitCols>{},
+                                              Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  using SmemLayoutKt = decltype(composition(
+      SmemLayoutKV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Step<_2, _1>{})));
+  // Q and dO: (query, d, stage), K-major B operands of S^T / dP^T, and read transposed as the
+  // MN-major B operands of dK / dV.
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom<GMMA::Major::K, kBlockM, kSplitCols>{},
+                                             Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutQt = decltype(composition(
+      SmemLayoutQ{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+  // dS: (query, key, buffer), the MN-major A operand of dQ; written through its transpose dS^T
+  // (key, query), where each thread's accumulator pairs are two consecutive queries. Two
+  // buffers: a warpgroup writes step i + 1's dS while another may still read step i's.
+  static constexpr int kdSBuffers = 2;
+  using SmemLayoutdS = decltype(tile_to_shape(SmemAtom<GMMA::Major::MN, kBlockM, kBlockN>{},
+                                              Shape<Int<kBlockM>, Int<kBlockN>, Int<kdSBuffers>>{}));
+  using SmemLayoutdSt = decltype(composition(
+      SmemLayoutdS{}, make_ordered_layout(Shape<Int<kBlockN>, Int<kBlockM>, Int<kdSBuffers>>{}, Step<_2, _1, _3>{})));
+
+  static constexpr int kQElems = cosize_v<SmemLayoutQ>, kKVElems = cosize_v<SmemLayoutKV>;
+  static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kRowStatBytes = kBlockM * sizeof(float);  // LSE or D of one query block
+  static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(Element);
+
+  using GmemLayout = Layout<Shape<int32_t, int32_t, int32_t, int32_t>, Stride<int64_t, _1, int64_t, int64_t>>;
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}),
+                                      take<0, 2>(SmemLayoutQ{}), Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
+  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}),
+                                       SmemLayoutKV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+
+  // Q with its LSE, dO with its D: one pipeline stage each.
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+
+  // The shared memory both layouts use; each adds its own after these members.
+  struct SharedStorageBase {
+    cute::array_aligned<Element, kKVElems, 1024> k;
+    cute::array_aligned<Element, kKVElems, 1024> v;
+    cute::array_aligned<Element, kQElems, 1024> q;
+    cute::array_aligned<Element, kQElems, 1024> dout;
+    cute::array_aligned<Element, cosize_v<SmemLayoutdS>, 1024> ds;
+  };
+};
+
+// Layout "keys per warpgroup" (d <= 128): consumer warpgroup w owns keys [64 w, 64 w + 64) of the
+// block, with their dK and dV in registers (d registers a thread); dQ's columns are split between
+// the warpgroups and staged in fp32 shared memory for the dQ thread's bulk reduce-add.
+template <int kHeadDim_, int kBlockM_, int kNMmaWarpGroups_, int kStages_, typename Element_>
+struct BwdTraits : BwdTraitsBase<kHeadDim_, kBlockM_, 64 * kNMmaWarpGroups_, kNMmaWarpGroups_, kStages_,
+                                 (kHeadDim_ % 64 == 0 ? kHeadDim_ : kHeadDim_ / kNMmaWarpGroups_), Element_> {
+  using Base = BwdTraitsBase<kHeadDim_, kBlockM_, 64 * kNMmaWarpGroups_, kNMmaWarpGroups_, kStages_,
+                             (kHeadDim_ % 64 == 0 ? kHeadDim_ : kHeadDim_ / kNMmaWarpGroups_), Element_>;
+  using typename Base::Element;
+  using typename Base::WarpGroupsAlongM;
+  using typename Base::WarpGroupsAlongN;
+  using typename Base::Pipeline;
+  using Base::kHeadDim;
+  using Base::kBlockM;
+  using Base::kBlockN;
+  using Base::kNMmaWarpGroups;
+  using Base::kStages;
+  static_assert(kBlockM % 64 == 0 && kHeadDim % (16 * kNMmaWarpGroups) == 0);
+  static constexpr bool kDqThread = true;
+
   // S^T = K Q^T and dP^T = V dO^T: (M = keys, N = queries, K = d), both operands K-major.
   using TiledMmaSdP = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockM>, Int<kHeadDim>>>(), WarpGroupsAlongM{}));
@@ -69,50 +140,10 @@ struct BwdTraits {
                 "one wgmma per k16 slice: define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED before any "
                 "CUTLASS header (the generated translation units do)");
 
-  template <GMMA::Major kMajor, int kRows, int kCols>
-  using SmemAtom = decltype(cutlass::gemm::collective::detail::ss_smem_selector<kMajor, Element, Int<kRows>, Int<kCols>>());
-  // K and V: (key, d), K-major A operands of S^T / dP^T; K also the MN-major B operand of dQ.
-  using SmemLayoutKV = decltype(tile_to_shape(SmemAtom<GMMA::Major::K, kBlockN, kHeadDim>{},
-                                              Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  using SmemLayoutKt = decltype(composition(
-      SmemLayoutKV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Step<_2, _1>{})));
-  // Q and dO: (query, d, stage), K-major B operands of S^T / dP^T, and read transposed as the
-  // MN-major B operands of dK / dV.
-  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom<GMMA::Major::K, kBlockM, kHeadDim>{},
-                                             Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
-  using SmemLayoutQt = decltype(composition(
-      SmemLayoutQ{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
-  // dS: (query, key, buffer), the MN-major A operand of dQ; written through its transpose dS^T
-  // (key, query), where each thread's accumulator pairs are two consecutive queries. Two
-  // buffers: a warpgroup writes step i + 1's dS while another may still read step i's.
-  static constexpr int kdSBuffers = 2;
-  using SmemLayoutdS = decltype(tile_to_shape(SmemAtom<GMMA::Major::MN, kBlockM, kBlockN>{},
-                                              Shape<Int<kBlockM>, Int<kBlockN>, Int<kdSBuffers>>{}));
-  using SmemLayoutdSt = decltype(composition(
-      SmemLayoutdS{}, make_ordered_layout(Shape<Int<kBlockN>, Int<kBlockM>, Int<kdSBuffers>>{}, Step<_2, _1, _3>{})));
-
-  static constexpr int kQElems = cosize_v<SmemLayoutQ>, kKVElems = cosize_v<SmemLayoutKV>;
   // dQ of one step in fp32, thread-major (dq_index), reduced into the workspace by one bulk add.
   static constexpr int kdQElems = kBlockM * kHeadDim;
-  static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
-  static constexpr uint32_t kRowStatBytes = kBlockM * sizeof(float);  // LSE or D of one query block
-  static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(Element);
 
-  using GmemLayout = Layout<Shape<int32_t, int32_t, int32_t, int32_t>, Stride<int64_t, _1, int64_t, int64_t>>;
-  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}),
-                                      take<0, 2>(SmemLayoutQ{}), Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
-  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}),
-                                       SmemLayoutKV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
-
-  // Q with its LSE, dO with its D: one pipeline stage each.
-  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
-
-  struct SharedStorage {
-    cute::array_aligned<Element, kKVElems, 1024> k;
-    cute::array_aligned<Element, kKVElems, 1024> v;
-    cute::array_aligned<Element, kQElems, 1024> q;
-    cute::array_aligned<Element, kQElems, 1024> dout;
-    cute::array_aligned<Element, cosize_v<SmemLayoutdS>, 1024> ds;
+  struct SharedStorage : Base::SharedStorageBase {
     cute::array_aligned<float, kdQElems, 128> dq;
     cute::array_aligned<float, kBlockM * kStages, 128> lse_log2;
     cute::array_aligned<float, kBlockM * kStages, 128> dpsum;
@@ -129,9 +160,65 @@ struct BwdTraits {
   static_assert(kSmemBytes <= 227 * 1024, "sm90 backward tile does not fit in shared memory");
 };
 
+// Layout "head dim per warpgroup" (d = 192, 256, where 2 x 64 x d fp32 accumulators of dK and dV
+// exceed a warpgroup's registers): a block of 64 keys; the two consumer warpgroups split S^T and
+// dP^T along the queries (32 each), write P^T and dS^T to shared memory, and split dV, dK and dQ
+// along the head dim (d / 2 columns each: 2 x d / 4 accumulator registers a thread for dK and dV,
+// d / 4 for dQ). dQ goes from registers to the workspace with 16-byte atomic adds: its fp32
+// staging tile (64 x d x 4 bytes = 64 KiB at d = 256) does not fit beside K, V and two stages of
+// Q and dO (224 KiB).
+template <int kHeadDim_, int kBlockM_, int kStages_, typename Element_>
+struct BwdTraitsSplitD : BwdTraitsBase<kHeadDim_, kBlockM_, 64, 2, kStages_, kHeadDim_ / 2, Element_> {
+  using Base = BwdTraitsBase<kHeadDim_, kBlockM_, 64, 2, kStages_, kHeadDim_ / 2, Element_>;
+  using typename Base::Element;
+  using typename Base::WarpGroupsAlongN;
+  using typename Base::Pipeline;
+  using Base::kHeadDim;
+  using Base::kBlockM;
+  using Base::kBlockN;
+  using Base::kStages;
+  static_assert(kBlockM == 64 && kHeadDim % 64 == 0);
+  static constexpr bool kDqThread = false;
+
+  // S^T = K Q^T and dP^T = V dO^T: (M = keys, N = queries, K = d); warpgroup w takes queries
+  // [w kBlockM / 2, (w + 1) kBlockM / 2).
+  using TiledMmaSdP = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockM / 2>, Int<kHeadDim>>>(), WarpGroupsAlongN{}));
+  // dV += P^T dO and dK += dS^T Q: (M = keys, N = d, K = queries), P^T and dS^T read from shared
+  // memory (K-major through the transposed view of the dS layout); warpgroup w takes columns
+  // [w d / 2, (w + 1) d / 2).
+  using TiledMmadKV = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim / 2>, Int<kBlockM>>, GMMA::Major::K,
+                           GMMA::Major::MN>(),
+      WarpGroupsAlongN{}));
+  // dQ = dS K: (M = queries, N = d, K = keys), columns split as dK's.
+  static constexpr int kdQCols = kHeadDim / 2;
+  using TiledMmadQ = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kdQCols>, Int<kBlockN>>, GMMA::Major::MN,
+                           GMMA::Major::MN>(),
+      WarpGroupsAlongN{}));
+  static_assert(size<1>(typename TiledMmaSdP::AtomShape_MNK{}) == kBlockM / 2 &&
+                    size<1>(typename TiledMmadKV::AtomShape_MNK{}) == kHeadDim / 2 &&
+                    size<1>(typename TiledMmadQ::AtomShape_MNK{}) == kdQCols,
+                "one wgmma per k16 slice: define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED before any "
+                "CUTLASS header (the generated translation units do)");
+
+  struct SharedStorage : Base::SharedStorageBase {
+    cute::array_aligned<Element, cosize_v<typename Base::SmemLayoutdS>, 1024> p;  // P^T, as dS
+    cute::array_aligned<float, kBlockM * kStages, 128> lse_log2;
+    cute::array_aligned<float, kBlockM * kStages, 128> dpsum;
+    typename Pipeline::SharedStorage pipeline_q;
+    typename Pipeline::SharedStorage pipeline_do;
+    cutlass::arch::ClusterTransactionBarrier kv_full;
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024, "sm90 backward tile does not fit in shared memory");
+};
+
 // Named barriers of the consumer warpgroups (ids after CUTLASS's reserved ones).
 enum class BwdBarrier : int {
-  kdSReady = 0,  // every warpgroup's dS^T of the step is in shared memory
+  kdSReady = 0,  // every warpgroup's dS^T (and P^T) of the step is in shared memory
+  kdQTurn = 1,   // split-d layout, deterministic: the block's turn to add dQ / its additions done
 };
 
 // Kernel parameters: the library's plain BwdParams plus the TMA descriptors built from them.

@@ -36,20 +36,27 @@ constexpr FwdTile fwd_tile(int head_dim) {
 
 namespace cutlass_flash::sm90 {
 
-// Backward: a block keeps block_n keys (64 per consumer warpgroup, which accumulates their dK and
-// dV in registers) and streams block_m query rows per step through `stages` buffers of Q and dO.
+// Backward, two layouts (sm90/bwd_traits.h). Keys per warpgroup (d <= 128): a block keeps
+// 64 x mma_warpgroups keys, each consumer warpgroup accumulating its 64 keys' dK and dV in
+// registers, and streams block_m query rows per step through `stages` buffers of Q and dO.
+// Split d (d > 128): a block keeps 64 keys and the two consumer warpgroups split the head dim.
+enum class BwdLayout { kKeysPerWarpgroup, kSplitD };
+
 struct BwdTile {
+  BwdLayout layout;
   int block_m;
-  int mma_warpgroups;  // block_n = 64 x this
+  int mma_warpgroups;  // keys per warpgroup: block_n = 64 x this
   int stages;
 };
 
 constexpr BwdTile bwd_tile(int head_dim) {
   // Registers per consumer thread: dK + dV = head_dim, S + dP = block_m (fp32), P and dS in 16 bits
   // block_m / 2, dQ block_m x head_dim / (64 x warpgroups): within 240 at 64 x 128 for d <= 128.
-  // Instantiated at d = 64 and 128 (csrc/generate.py says why not the others).
   // d = 64 at block_m 128 spilled 68 B (S + dP 128 registers).
-  return {64, 2, 2};
+  if (head_dim <= 128) return {BwdLayout::kKeysPerWarpgroup, 64, 2, 2};
+  // Split d: dK + dV d / 2, dQ d / 4, S + dP 32 registers a thread; shared memory at d = 256:
+  // K, V 2 x 32 KiB, Q and dO 2 x 2 x 32 KiB, P^T and dS^T 2 x 2 x 8 KiB = 224 KiB.
+  return {BwdLayout::kSplitD, 64, 2, 2};
 }
 
 }  // namespace cutlass_flash::sm90

@@ -1,0 +1,174 @@
+// sm90 backward mainloop of the split-d layout (BwdTraitsSplitD, d = 192 / 256): the producer's
+// loads are the other layout's (BwdMainloop); the consumers' step differs.
+//
+// Per query block, consumer warpgroup w (queries q_w = [32 w, 32 w + 32) of the block, columns
+// d_w = [w d / 2, (w + 1) d / 2) of the head dim):
+//   S^T(:, q_w) = K Q(q_w)^T, dP^T(:, q_w) = V dO(q_w)^T;  P^T, dS^T as in the other layout;
+//   P^T(:, q_w), dS^T(:, q_w) to shared memory; both warpgroups' halves written ->
+//   dQ(:, d_w) = dS K(:, d_w), dV(:, d_w) += P^T dO(:, d_w), dK(:, d_w) += dS^T Q(:, d_w);
+//   dQ(:, d_w) added to the workspace with 16-byte atomics while dV and dK run.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "kernels/common/block_info.h"
+#include "kernels/common/dq_semaphore.h"
+#include "kernels/common/mask.h"
+#include "kernels/sm90/bwd_mainloop.h"
+#include "kernels/sm90/bwd_traits.h"
+#include "kernels/sm90/utils.h"
+
+namespace cutlass_flash::sm90 {
+
+using namespace cute;
+
+template <typename Traits_>
+struct BwdMainloopSplitD : BwdMainloop<Traits_> {
+  using Traits = Traits_;
+  using Element = typename Traits::Element;
+  using Pipeline = typename Traits::Pipeline;
+  using PipelineState = typename Pipeline::PipelineState;
+  static constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  static constexpr int kQueriesPerWarpgroup = kBlockM / 2;
+
+  // No dQ thread: the consumers add dQ themselves.
+  __device__ static void store_dq(typename Traits::SharedStorage&, int) {}
+
+  template <typename Params, typename AccKV>
+  __device__ static void mma(const Params& params, typename Traits::SharedStorage& shared, Pipeline& pipeline_q,
+                             Pipeline& pipeline_do, const BwdSteps& steps, const WindowMask& mask, int n_block,
+                             int tid, AccKV& acc_dk, AccKV& acc_dv) {
+    typename Traits::TiledMmaSdP mma_sdp;
+    typename Traits::TiledMmadKV mma_dkv;
+    typename Traits::TiledMmadQ mma_dq;
+    auto thr_sdp = mma_sdp.get_thread_slice(tid);
+    auto thr_dkv = mma_dkv.get_thread_slice(tid);
+    auto thr_dq = mma_dq.get_thread_slice(tid);
+
+    Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKV{});
+    Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutKV{});
+    Tensor sKt = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKt{});
+    Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutQ{});
+    Tensor sQt = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQt{});
+    Tensor sdOt = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutQt{});
+    Tensor sdS = make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutdS{});
+    Tensor sdSt = make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutdSt{});
+    Tensor sPt = make_tensor(make_smem_ptr(shared.p.data()), typename Traits::SmemLayoutdSt{});
+
+    Tensor tSrK = thr_sdp.partition_fragment_A(sK);     // wgmma descriptors
+    Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);     // (MMA, N, K, stage)
+    Tensor tdPrV = thr_sdp.partition_fragment_A(sV);
+    Tensor tdPrdO = thr_sdp.partition_fragment_B(sdO);
+    Tensor tdVrP = thr_dkv.partition_fragment_A(sPt);    // (MMA, M, K, buffer)
+    Tensor tdKrdS = thr_dkv.partition_fragment_A(sdSt);
+    Tensor tdVrdO = thr_dkv.partition_fragment_B(sdOt);  // (MMA, N, K, stage)
+    Tensor tdKrQ = thr_dkv.partition_fragment_B(sQt);
+    Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);    // (MMA, M, K, buffer)
+    Tensor tdQrK = thr_dq.partition_fragment_B(sKt);
+
+    // P^T and dS^T from registers to shared memory with stmatrix (the other layout's dS^T copy).
+    auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
+    auto thr_r2s = r2s.get_thread_slice(tid);
+    Tensor tPsP = thr_r2s.partition_D(sPt);     // (CPY, M, N, buffer)
+    Tensor tdSsdS = thr_r2s.partition_D(sdSt);
+
+    // (key, query) of each S^T accumulator, for the mask.
+    Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
+    constexpr int kQueries = decltype(size<0>(colrow_view(tScS)))::value;  // queries per thread
+    static_assert(kQueries == kQueriesPerWarpgroup / 4);
+    const float scale_log2 = params.problem.softmax_scale * float(M_LOG2E);
+    const int query_offset = (tid / 128) * kQueriesPerWarpgroup;  // this warpgroup's first query
+
+    PipelineState st_q, st_do;
+    shared.kv_full.wait(0);
+    int i = 0;
+#pragma unroll 1
+    for (int h = steps.head_begin; h < steps.head_begin + steps.heads; ++h) {
+      const int64_t bh_row = BlockInfo::workspace_row(params.problem, params.seqlen_q_rounded, steps.batch, h);
+#pragma unroll 1
+      for (int m = steps.m_max - 1; m >= steps.m_min; --m, ++i) {
+        const int buf = i % Traits::kdSBuffers;
+        Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+        Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+        pipeline_q.consumer_wait(st_q);
+        gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_sdp, tSrK, tSrQ(_, _, _, st_q.index()), acc_s);
+        pipeline_do.consumer_wait(st_do);
+        gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_sdp, tdPrV, tdPrdO(_, _, _, st_do.index()), acc_dp);
+        warpgroup_wait<1>();  // S^T done, dP^T running
+        warpgroup_fence_operand(acc_s);
+        if (mask.block_needs_mask<kBlockM, kBlockN>(m, n_block))
+          mask.apply</*kTransposed=*/true>(acc_s, tScS, m * kBlockM, n_block * kBlockN);
+        Tensor s = colrow_view(acc_s);  // (query, key)
+        const QueryStats<kQueriesPerWarpgroup> lse(shared.lse_log2.data() + st_q.index() * kBlockM + query_offset);
+        CUTE_UNROLL
+        for (int qi = 0; qi < kQueries; ++qi) {
+          const float lse_q = lse(qi);
+          CUTE_UNROLL
+          for (int ki = 0; ki < size<1>(s); ++ki) s(qi, ki) = exp2f(s(qi, ki) * scale_log2 - lse_q);
+        }
+        warpgroup_wait<0>();  // dP^T done
+        warpgroup_fence_operand(acc_dp);
+        Tensor ds = colrow_view(acc_dp);
+        const QueryStats<kQueriesPerWarpgroup> dpsum(shared.dpsum.data() + st_do.index() * kBlockM + query_offset);
+        CUTE_UNROLL
+        for (int qi = 0; qi < kQueries; ++qi) {
+          const float d_q = dpsum(qi);
+          CUTE_UNROLL
+          for (int ki = 0; ki < size<1>(ds); ++ki) ds(qi, ki) = s(qi, ki) * (ds(qi, ki) - d_q);
+        }
+        Tensor rP = convert_type<Element>(acc_s);
+        Tensor rdS = convert_type<Element>(acc_dp);
+        copy(r2s, thr_r2s.retile_S(rP), tPsP(_, _, _, buf));
+        copy(r2s, thr_r2s.retile_S(rdS), tdSsdS(_, _, _, buf));
+        // Both warpgroups' P^T and dS^T are in shared memory (generic-proxy stores, read next by
+        // wgmma). Buffer buf was last read two steps ago, which both warpgroups finished (each
+        // waits for all its GEMMs before the next step's barrier).
+        cutlass::arch::fence_view_async_shared();
+        cutlass::arch::NamedBarrier::sync(Traits::kNMmaThreads, int(BwdBarrier::kdSReady));
+        Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+        gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_dq, tdQrdS(_, _, _, buf), tdQrK, acc_dq);
+        gemm</*kZeroInit=*/false, /*kWait=*/-1>(mma_dkv, tdVrP(_, _, _, buf), tdVrdO(_, _, _, st_do.index()), acc_dv);
+        gemm</*kZeroInit=*/false, /*kWait=*/-1>(mma_dkv, tdKrdS(_, _, _, buf), tdKrQ(_, _, _, st_q.index()), acc_dk);
+        warpgroup_wait<2>();  // dQ done, dV and dK running
+        warpgroup_fence_operand(acc_dq);
+        add_dq(params, acc_dq, mask, bh_row, m, n_block, tid);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_dv);
+        warpgroup_fence_operand(acc_dk);
+        pipeline_do.consumer_release(st_do);
+        ++st_do;
+        pipeline_q.consumer_release(st_q);
+        ++st_q;
+      }
+    }
+  }
+
+  // Adds the step's dQ to the query tile's fp32 rows in the workspace, in the layout of the other
+  // layout's bulk add (dq_index: each warp's 16-byte atomics cover 512 consecutive bytes), so the
+  // dQ conversion kernel is shared. Deterministic mode: after the lower key blocks' additions,
+  // with the block's two warpgroups meeting at a named barrier on each side of theirs.
+  template <typename Params, typename AccdQ>
+  __device__ static void add_dq(const Params& params, const AccdQ& acc_dq, const WindowMask& mask, int64_t bh_row,
+                                int m, int n_block, int tid) {
+    float4* dst = reinterpret_cast<float4*>(params.dq_accum + (bh_row + int64_t(m) * kBlockM) * kHeadDim);
+    int* semaphore = nullptr;
+    if (params.dq_semaphore != nullptr) {
+      semaphore = DqSemaphore{params.dq_semaphore}.at<kBlockM>(bh_row, m);
+      if (tid == 0) DqSemaphore::wait(semaphore, DqSemaphore::turn<kBlockM, kBlockN>(mask, m, n_block));
+      cutlass::arch::NamedBarrier::sync(Traits::kNMmaThreads, int(BwdBarrier::kdQTurn));
+    }
+    CUTE_UNROLL
+    for (int j = 0; j < size(acc_dq) / 4; ++j)
+      atomicAdd(dst + dq_index<Traits>(4 * j, tid) / 4,
+                make_float4(acc_dq(4 * j), acc_dq(4 * j + 1), acc_dq(4 * j + 2), acc_dq(4 * j + 3)));
+    if (semaphore != nullptr) {
+      __threadfence();
+      cutlass::arch::NamedBarrier::sync(Traits::kNMmaThreads, int(BwdBarrier::kdQTurn));
+      if (tid == 0) DqSemaphore::signal(semaphore);
+    }
+  }
+};
+
+}  // namespace cutlass_flash::sm90
