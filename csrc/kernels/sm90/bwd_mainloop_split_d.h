@@ -6,7 +6,7 @@
 //   S^T(:, q_w) = K Q(q_w)^T, dP^T(:, q_w) = V dO(q_w)^T;  P^T, dS^T as in the other layout;
 //   P^T(:, q_w), dS^T(:, q_w) to shared memory; both warpgroups' halves written ->
 //   dQ(:, d_w) = dS K(:, d_w), dV(:, d_w) += P^T dO(:, d_w), dK(:, d_w) += dS^T Q(:, d_w);
-//   dQ(:, d_w) added to the workspace with 16-byte atomics while dV and dK run.
+//   dQ(:, d_w) added to the workspace with 16-byte reductions (red) while dV and dK run.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -146,7 +146,7 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_> {
   }
 
   // Adds the step's dQ to the query tile's fp32 rows in the workspace, in the layout of the other
-  // layout's bulk add (dq_index: each warp's 16-byte atomics cover 512 consecutive bytes), so the
+  // layout's bulk add (dq_index: each warp's 16-byte reductions cover 512 consecutive bytes), so the
   // dQ conversion kernel is shared. Deterministic mode: after the lower key blocks' additions,
   // with the block's two warpgroups meeting at a named barrier on each side of theirs.
   template <typename Params, typename AccdQ>
@@ -161,8 +161,8 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_> {
     }
     CUTE_UNROLL
     for (int j = 0; j < size(acc_dq) / 4; ++j)
-      atomicAdd(dst + dq_index<Traits>(4 * j, tid) / 4,
-                make_float4(acc_dq(4 * j), acc_dq(4 * j + 1), acc_dq(4 * j + 2), acc_dq(4 * j + 3)));
+      red_add(dst + dq_index<Traits>(4 * j, tid) / 4,
+              make_float4(acc_dq(4 * j), acc_dq(4 * j + 1), acc_dq(4 * j + 2), acc_dq(4 * j + 3)));
     if (semaphore != nullptr) {
       __threadfence();
       cutlass::arch::NamedBarrier::sync(Traits::kNMmaThreads, int(BwdBarrier::kdQTurn));

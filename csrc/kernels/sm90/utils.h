@@ -112,6 +112,15 @@ __device__ __forceinline__ void bulk_wait_all() {
   }
 }
 
+// dst[0..3] += v in L2, no value returned (REDG.E.ADD.F32x4). atomicAdd(float4*) compiles to
+// ATOMG, which returns the old values: at d = 256 the split-d backward's warps spent 48% of their
+// stall cycles on the L1TEX scoreboard behind those returns, and L2 ran at 93% of its peak
+// (ncu, PERFLOG.md entry 23).
+__device__ __forceinline__ void red_add(float4* dst, float4 v) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w)
+               : "memory");
+}
+
 // Orders the async proxy's global accesses (bulk reduce-adds) against the generic proxy's.
 __device__ __forceinline__ void fence_proxy_async_global() {
   asm volatile("fence.proxy.async.global;" ::: "memory");
