@@ -53,8 +53,10 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
     prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
     shared.kv_full.init(1);
     if constexpr (Traits::kDqThread) {
-      shared.dq_full.init(Traits::kNMmaThreads);
-      shared.dq_empty.init(1);
+      for (int b = 0; b < Traits::kdQBuffers; ++b) {
+        shared.dq_full[b].init(Traits::kNMmaThreads);
+        shared.dq_empty[b].init(1);
+      }
     }
   }
   // The leader of a pipeline is its producer thread: it arms the full barrier with the stage's

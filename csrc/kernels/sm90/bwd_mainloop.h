@@ -128,20 +128,22 @@ struct BwdMainloop {
     constexpr uint32_t kBytes = Traits::kdQElems * sizeof(float);
 #pragma unroll 1
     for (int i = 0; i < num_steps; ++i) {
-      shared.dq_full.wait(i & 1);
-      const DqTarget target = shared.dq_target;
+      const int buf = i % Traits::kdQBuffers;
+      shared.dq_full[buf].wait((i / Traits::kdQBuffers) & 1);
+      const DqTarget target = shared.dq_target[buf];
+      const float* staged = shared.dq.data() + buf * Traits::kdQElems;
       if (target.semaphore != nullptr) {
         DqSemaphore::wait(target.semaphore, target.turn);
         fence_proxy_async_global();  // the lower blocks' additions come before this one
-        bulk_reduce_add(target.dst, shared.dq.data(), kBytes);
+        bulk_reduce_add(target.dst, staged, kBytes);
         bulk_wait_all</*kRead=*/false>();
         fence_proxy_async_global();
         DqSemaphore::signal(target.semaphore);
       } else {
-        bulk_reduce_add(target.dst, shared.dq.data(), kBytes);
+        bulk_reduce_add(target.dst, staged, kBytes);
         bulk_wait_all</*kRead=*/true>();
       }
-      shared.dq_empty.arrive();
+      shared.dq_empty[buf].arrive();
     }
   }
 
@@ -192,7 +194,6 @@ struct BwdMainloop {
     static_assert(kQueries == kBlockM / 4);
     const float scale_log2 = params.problem.softmax_scale * float(M_LOG2E);
 
-    float4* dq_stage = reinterpret_cast<float4*>(shared.dq.data());
     PipelineState st_q, st_do;
     shared.kv_full.wait(0);
     int i = 0;
@@ -246,7 +247,9 @@ struct BwdMainloop {
         warpgroup_fence_operand(rP);  // the dV wgmma read P^T from these registers until here
         pipeline_do.consumer_release(st_do);
         ++st_do;
-        if (i > 0) shared.dq_empty.wait((i - 1) & 1);  // the dQ thread has read the last step's dQ
+        const int dq_buf = i % Traits::kdQBuffers;
+        // The dQ thread has read this buffer's last dQ (step i - kdQBuffers).
+        if (i >= Traits::kdQBuffers) shared.dq_empty[dq_buf].wait((i / Traits::kdQBuffers - 1) & 1);
         if (tid == 0) {
           const int64_t bh_row = BlockInfo::workspace_row(params.problem, params.seqlen_q_rounded, steps.batch, h);
           DqTarget target{params.dq_accum + (bh_row + int64_t(m) * kBlockM) * kHeadDim, nullptr, 0};
@@ -254,14 +257,15 @@ struct BwdMainloop {
             target.semaphore = DqSemaphore{params.dq_semaphore}.at<kBlockM>(bh_row, m);
             target.turn = DqSemaphore::turn<kBlockM, kBlockN>(mask, m, n_block);
           }
-          shared.dq_target = target;
+          shared.dq_target[dq_buf] = target;
         }
+        float4* dq_stage = reinterpret_cast<float4*>(shared.dq.data() + dq_buf * Traits::kdQElems);
         CUTE_UNROLL
         for (int j = 0; j < size(acc_dq) / 4; ++j)
           dq_stage[dq_index<Traits>(4 * j, tid) / 4] =
               make_float4(acc_dq(4 * j), acc_dq(4 * j + 1), acc_dq(4 * j + 2), acc_dq(4 * j + 3));
         cutlass::arch::fence_view_async_shared();  // read next by the bulk reduce-add
-        shared.dq_full.arrive();
+        shared.dq_full[dq_buf].arrive();
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_dk);
         warpgroup_fence_operand(rdS);

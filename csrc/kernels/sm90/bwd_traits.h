@@ -141,20 +141,25 @@ struct BwdTraits : BwdTraitsBase<kHeadDim_, kBlockM_, 64 * kNMmaWarpGroups_, kNM
                 "CUTLASS header (the generated translation units do)");
 
   // dQ of one step in fp32, thread-major (dq_index), reduced into the workspace by one bulk add.
+  // Two buffers: the consumers stage step i + 1's dQ while the dQ thread still adds step i's,
+  // which in deterministic mode waits for the lower key blocks' additions and for its own to
+  // complete before the next block's turn.
   static constexpr int kdQElems = kBlockM * kHeadDim;
+  static constexpr int kdQBuffers = 2;
 
   struct SharedStorage : Base::SharedStorageBase {
-    cute::array_aligned<float, kdQElems, 128> dq;
+    cute::array_aligned<float, kdQElems * kdQBuffers, 128> dq;
     cute::array_aligned<float, kBlockM * kStages, 128> lse_log2;
     cute::array_aligned<float, kBlockM * kStages, 128> dpsum;
     typename Pipeline::SharedStorage pipeline_q;
     typename Pipeline::SharedStorage pipeline_do;
     cutlass::arch::ClusterTransactionBarrier kv_full;
-    // The dQ of a step: staged by the consumers (dq_full, every consumer thread arrives), added to
-    // the workspace by the producer's dQ thread (dq_empty once the bulk add has read it).
-    cutlass::arch::ClusterBarrier dq_full;
-    cutlass::arch::ClusterBarrier dq_empty;
-    DqTarget dq_target;
+    // The dQ of a step, per buffer: staged by the consumers (dq_full, every consumer thread
+    // arrives), added to the workspace by the producer's dQ thread (dq_empty once the bulk add has
+    // read it).
+    cutlass::arch::ClusterBarrier dq_full[kdQBuffers];
+    cutlass::arch::ClusterBarrier dq_empty[kdQBuffers];
+    DqTarget dq_target[kdQBuffers];
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "sm90 backward tile does not fit in shared memory");
