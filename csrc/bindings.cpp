@@ -175,7 +175,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("stream"),
         "Forward pass. q/k/v/o: (ptr, batch_stride, row_stride, head_stride) in elements, the "
         "last dim contiguous; lse_ptr: float32 (batch, nheads, seqlen_q), contiguous; "
-        "workspace_ptr: fwd_workspace_bytes(...) bytes, 16-byte aligned (0 when that is 0); "
+        "workspace_ptr: fwd_workspace_bytes(...) bytes, aligned to _catalog.FWD_WORKSPACE_ALIGN (0 when that is 0); "
         "dtype: 'fp16' | 'bf16'; arch: kernel family (80, 90); stream: cudaStream_t as an int. "
         "Asynchronous.");
   m.def("bwd", &bwd, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"), py::arg("dout"),

@@ -105,8 +105,8 @@ FAMILIES: Tuple[Family, ...] = (
     Family(arch=90, directions=("fwd", "bwd"), head_dims=HEAD_DIMS,
            sass_default=("90a",), sass_allowed=("90a",),
            defines=("CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",),
-           # The persistent forward's tile counter (one int, sm90/tile_scheduler.h) in 16 bytes,
-           # the alignment the host API checks.
+           # The persistent forward's tile counter (one int, sm90/tile_scheduler.h) in one
+           # FWD_WORKSPACE_ALIGN unit.
            fwd_workspace_bytes=16),
 )
 FAMILY_BY_ARCH: Dict[int, Family] = {f.arch: f for f in FAMILIES}
@@ -132,6 +132,9 @@ BWD_ARRAY_ALIGN = 256
 # Query rows per dQ semaphore (the smallest query tile): deterministic mode orders the dQ
 # accumulation of each tile with one int.
 BWD_SEMAPHORE_ROWS = 64
+# Alignment of the forward's scratch memory (when a family needs any), checked by the host API
+# (kFwdWorkspaceAlign) and by the tests' fake binding.
+FWD_WORKSPACE_ALIGN = 16
 # (array, element type, elements per rounded query row: (multiplier, divisor) with the multiplier
 # "head_dim" or 1, present only in deterministic mode). Arrays follow each other in this order.
 BWD_WORKSPACE_ARRAYS: Tuple[Tuple[str, str, Tuple[object, int], bool], ...] = (
@@ -188,6 +191,7 @@ namespace cutlass_flash {{
 constexpr int kBwdRowAlign = {BWD_ROW_ALIGN};
 constexpr size_t kBwdArrayAlign = {BWD_ARRAY_ALIGN};
 constexpr int kBwdSemaphoreRows = {BWD_SEMAPHORE_ROWS};
+constexpr size_t kFwdWorkspaceAlign = {FWD_WORKSPACE_ALIGN};
 
 struct BwdWorkspace {{
   int64_t seqlen_q_rounded;  // rows per (batch, head) in every array
@@ -236,6 +240,9 @@ FAMILIES = {{
 
 #: family arch -> bytes of scratch memory one forward call needs.
 FWD_WORKSPACE_BYTES = {{{', '.join(f"{f.arch}: {f.fwd_workspace_bytes}" for f in FAMILIES)}}}
+
+#: alignment in bytes of that scratch memory.
+FWD_WORKSPACE_ALIGN = {FWD_WORKSPACE_ALIGN}
 """
 
 

@@ -15,3 +15,6 @@ FAMILIES = {
 
 #: family arch -> bytes of scratch memory one forward call needs.
 FWD_WORKSPACE_BYTES = {80: 0, 90: 16}
+
+#: alignment in bytes of that scratch memory.
+FWD_WORKSPACE_ALIGN = 16

@@ -31,12 +31,11 @@ def _generator():
         sys.modules[name] = mod
         spec.loader.exec_module(mod)
     return sys.modules[name]
-from cutlass_flash._catalog import FWD_WORKSPACE_BYTES, HEAD_DIMS as INSTANTIATED
+from cutlass_flash._catalog import DTYPES as DTYPE_NAMES, FAMILIES, FWD_WORKSPACE_ALIGN, FWD_WORKSPACE_BYTES
+from cutlass_flash._catalog import HEAD_DIMS as INSTANTIATED
 
 
-def all_kernels(archs=(80, 90), head_dims=INSTANTIATED, dtypes=("fp16", "bf16")):
-    from cutlass_flash._catalog import FAMILIES
-
+def all_kernels(archs=tuple(FAMILIES), head_dims=INSTANTIATED, dtypes=DTYPE_NAMES):
     return [
         (a, d, h, t)
         for a in archs for d, dims in FAMILIES[a].items() for h in head_dims if h in dims
@@ -96,7 +95,7 @@ class FakeC:
     def fwd(self, q, k, v, o, lse_ptr, workspace_ptr, **kw):
         p = self._problem("fwd", kw)
         if FWD_WORKSPACE_BYTES[p["arch"]]:
-            assert workspace_ptr % 16 == 0 and workspace_ptr != 0, "workspace must be aligned"
+            assert workspace_ptr % FWD_WORKSPACE_ALIGN == 0 and workspace_ptr != 0, "workspace must be aligned"
         dtype = DTYPES[p["dtype"]]
         Q, K, V, Out = self._tensors(p, dtype, q=q, k=k, v=v, o=o)
         assert lse_ptr % 16 == 0

@@ -12,6 +12,7 @@
 
 #include "cutlass_flash/params.h"
 #include "dispatch/table.h"
+#include "generated/bwd_workspace.h"
 #include "dispatch/validate.h"
 #include "generated/bwd_workspace.h"
 
@@ -235,7 +236,7 @@ Status run_fwd(const FwdParams& params, int arch, cudaStream_t stream) {
         dispatch::check_tensor(dir, "o", params.o, p, p.seqlen_q, p.nheads),
         dispatch::check_scalar_ptr(dir, "lse", params.lse, alignof(float)),
         fwd_workspace_bytes(p, arch) == 0 ? Status::Ok()
-                                          : dispatch::check_scalar_ptr(dir, "workspace", params.workspace, 16),
+                                          : dispatch::check_scalar_ptr(dir, "workspace", params.workspace, kFwdWorkspaceAlign),
     };
   }, &dispatch::Entry::fwd);
 }

@@ -20,6 +20,7 @@ namespace cutlass_flash {
 constexpr int kBwdRowAlign = 128;
 constexpr size_t kBwdArrayAlign = 256;
 constexpr int kBwdSemaphoreRows = 64;
+constexpr size_t kFwdWorkspaceAlign = 16;
 
 struct BwdWorkspace {
   int64_t seqlen_q_rounded;  // rows per (batch, head) in every array

@@ -51,8 +51,10 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_convert_dq_kernel(const
   }
 }
 
-template <typename Traits>
-__global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_constant__ BwdParams params) {
+// The main kernel, composed as bwd_kernel<Mainloop, Epilogue, Scheduler> like the sm90 family's.
+template <typename Mainloop, typename Epilogue, typename Scheduler>
+__global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1) bwd_kernel(const __grid_constant__ BwdParams params) {
+  using Traits = typename Mainloop::Traits;
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   extern __shared__ __align__(128) char smem[];
@@ -61,7 +63,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
   // Key blocks near the start are seen by the most query rows under a causal mask: natural order
   // already starts the longest blocks first. Deterministic mode relies on lower key blocks
   // starting first (common/dq_semaphore.h).
-  const TileCoord tile = GridTileScheduler::get(/*longest_first=*/false);
+  const TileCoord tile = Scheduler::get(/*longest_first=*/false);
   const int n_block = tile.block, head_kv = tile.head, batch = tile.batch;
   const int group = p.nheads / p.nheads_kv;
   const WindowMask mask(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right);
@@ -103,10 +105,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
     const BwdDqOrder dq_order{params.deterministic ? reinterpret_cast<int*>(workspace + ws.dq_semaphore_offset) : nullptr,
                               bh_row, n_block};
     if (g > 0) __syncthreads();  // the last head's final reads of shared memory are done
-    BwdMainloop<Traits>::run(gQ, gdO, gK, gV, dq_accum, lse, dpsum, smem, mask, n_block, m_min, m_max,
+    Mainloop::run(gQ, gdO, gK, gV, dq_accum, lse, dpsum, smem, mask, n_block, m_min, m_max,
                              p.softmax_scale * float(M_LOG2E), acc_dk, acc_dv, dq_order);
   }
-  BwdEpilogue<Traits>::store(acc_dk, acc_dv, gdK, gdV, p.softmax_scale, smem, p.seqlen_k - n_block * kBlockN);
+  Epilogue::store(acc_dk, acc_dv, gdK, gdV, p.softmax_scale, smem, p.seqlen_k - n_block * kBlockN);
 }
 
 }  // namespace cutlass_flash::sm80

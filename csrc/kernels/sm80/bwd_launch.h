@@ -21,7 +21,7 @@ Status run_bwd(const BwdParams& params, cudaStream_t stream) {
   bwd_preprocess_kernel<kHeadDim, Element><<<BwdPreprocess::grid(params), BwdPreprocess::kWarps * 32, 0, stream>>>(params);
   if (Status s = cuda_status(cudaGetLastError(), "sm80 backward preprocess launch"); !s.ok()) return s;
 
-  constexpr auto kernel = bwd_kernel<Traits>;
+  constexpr auto kernel = bwd_kernel<BwdMainloop<Traits>, BwdEpilogue<Traits>, GridTileScheduler>;
   if (Status s = ensure_smem_limit<kernel>(Traits::kSmemBytes); !s.ok()) return s;
   const dim3 grid = GridTileScheduler::grid(ceil_div(p.seqlen_k, kTile.block_n), p.nheads_kv, p.batch);
   kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(params);

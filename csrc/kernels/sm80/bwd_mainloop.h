@@ -65,8 +65,9 @@ __device__ __forceinline__ int tid_here() {
   return t;
 }
 
-template <typename Traits>
+template <typename Traits_>
 struct BwdMainloop {
+  using Traits = Traits_;
   using Element = typename Traits::Element;
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kBlockN = Traits::kBlockN;

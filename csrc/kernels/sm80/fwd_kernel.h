@@ -17,8 +17,10 @@ namespace cutlass_flash::sm80 {
 
 using namespace cute;
 
-template <typename Traits>
-__global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_constant__ FwdParams params) {
+// Composed as fwd_kernel<Mainloop, Epilogue, Scheduler> like the sm90 family's.
+template <typename Mainloop, typename Epilogue, typename Scheduler>
+__global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1) fwd_kernel(const __grid_constant__ FwdParams params) {
+  using Traits = typename Mainloop::Traits;
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   // Each thread owns 2 rows of every 16-row MMA tile it covers.
@@ -26,7 +28,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
   extern __shared__ __align__(128) char smem[];
 
   const AttnProblem& p = params.problem;
-  const TileCoord tile = GridTileScheduler::get(/*longest_first=*/p.window_right >= 0);
+  const TileCoord tile = Scheduler::get(/*longest_first=*/p.window_right >= 0);
   const int m_block = tile.block, head = tile.head, batch = tile.batch;
   const int head_kv = head / (p.nheads / p.nheads_kv);
   const WindowMask mask(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right);
@@ -50,7 +52,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
   Tensor lse = make_tensor<float>(Shape<Int<kRows>>{});
   if (n_min < n_max) {
     OnlineSoftmax<kRows> softmax(p.softmax_scale * float(M_LOG2E));
-    FwdMainloop<Traits>::run(gQ, gK, gV, smem, mask, m_block, n_min, n_max, acc_o, softmax);
+    Mainloop::run(gQ, gK, gV, smem, mask, m_block, n_min, n_max, acc_o, softmax);
     Tensor o_rc = rowcol_view(acc_o);
     softmax.finalize(o_rc, lse, p.softmax_scale);
   } else {
@@ -58,7 +60,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
   }
 
   float* lse_out = params.lse + BlockInfo::lse_row(p, batch, head) + m_block * kBlockM;
-  FwdEpilogue<Traits>::store(acc_o, lse, gO, lse_out, smem, p.seqlen_q - m_block * kBlockM);
+  Epilogue::store(acc_o, lse, gO, lse_out, smem, p.seqlen_q - m_block * kBlockM);
 }
 
 }  // namespace cutlass_flash::sm80

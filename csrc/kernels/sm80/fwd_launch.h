@@ -14,7 +14,7 @@ template <int kHeadDim, typename Element>
 Status run_fwd(const FwdParams& params, cudaStream_t stream) {
   constexpr FwdTile kTile = fwd_tile(kHeadDim);
   using Traits = FwdTraits<kHeadDim, kTile.block_m, kTile.block_n, kTile.warps, Element>;
-  constexpr auto kernel = fwd_kernel<Traits>;
+  constexpr auto kernel = fwd_kernel<FwdMainloop<Traits>, FwdEpilogue<Traits>, GridTileScheduler>;
   if (Status s = ensure_smem_limit<kernel>(Traits::kSmemBytes); !s.ok()) return s;
   const AttnProblem& p = params.problem;
   const dim3 grid = GridTileScheduler::grid(ceil_div(p.seqlen_q, kTile.block_m), p.nheads, p.batch);

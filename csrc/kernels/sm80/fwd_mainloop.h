@@ -15,8 +15,9 @@ namespace cutlass_flash::sm80 {
 
 using namespace cute;
 
-template <typename Traits>
+template <typename Traits_>
 struct FwdMainloop {
+  using Traits = Traits_;
   using Element = typename Traits::Element;
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kBlockN = Traits::kBlockN;
