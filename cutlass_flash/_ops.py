@@ -248,19 +248,28 @@ def _plain_eager(q, k, v):
     )
 
 
-def flash_attn_func(q, k, v, softmax_scale=None, causal=False, deterministic=False,
-                    return_lse=False):
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                    softcap=0.0, alibi_slopes=None, deterministic=False, return_lse=False):
     """Exact attention with FlashAttention kernels (CUTLASS/CuTe, sm80 and sm90 families).
+
+    The arguments are FlashAttention-2's `flash_attn_func`'s, in its order (return_lse in place
+    of return_attn_probs), so code written for flash_attn runs by changing the import.
 
     Args:
         q: (batch, seqlen_q, nheads, head_dim) float16 or bfloat16 CUDA tensor.
         k, v: (batch, seqlen_k, nheads_kv, head_dim), same dtype and device; nheads must be a
             multiple of nheads_kv (MHA, GQA, MQA). head_dim: a multiple of 8, at most 256.
             Inputs may be non-contiguous if the last dim is contiguous (and rows 16-byte aligned).
+        dropout_p: must be 0.0 (dropout is not supported yet: NotImplementedError otherwise).
         softmax_scale: scale of q @ k^T before the softmax; default 1/sqrt(head_dim).
         causal: causal mask aligned to the bottom-right corner of the attention matrix (as in
             FlashAttention 2): query i sees keys j <= i + seqlen_k - seqlen_q. Query rows that see
             no key (seqlen_q > seqlen_k) give out = 0, lse = +inf and zero gradients.
+        window_size: (left, right), sliding-window local attention: query i sees keys j in
+            [i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right]; -1 leaves a side
+            unbounded, (-1, -1) is no window. With causal=True, right is 0. As in FlashAttention
+            2, a bound >= seqlen_k counts as unbounded. Rows that see no key: as with causal.
+        softcap, alibi_slopes: must be 0.0 and None (not supported yet).
         deterministic: the backward accumulates dQ in a fixed order, so gradients are
             bit-identical from run to run (and for a sequence alone or inside a batch); slower
             (README.md gives the measured cost). dK/dV are deterministic either way.
@@ -275,9 +284,11 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, deterministic=Fal
     """
     _validate.check_inputs(q, k, v)
     scale = _validate.check_softmax_scale(softmax_scale, q.shape[3])
+    window_left, window_right = _validate.check_mask(causal, window_size, k.shape[1])
+    _validate.check_not_yet_supported(dropout_p, softcap, alibi_slopes)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
-    args = (q, k, v, scale, -1, 0 if causal else -1, _dispatch._forced_arch, deterministic)
+    args = (q, k, v, scale, window_left, window_right, _dispatch._forced_arch, deterministic)
     if not _plain_eager(q, k, v):
         out, lse = _fwd(*args)
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):

@@ -187,6 +187,64 @@ def check_softmax_scale(softmax_scale, head_dim):
     return softmax_scale
 
 
+def _is_int(x):
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_mask(causal, window_size, seqlen_k):
+    """(window_left, window_right) the kernels take, from FlashAttention-2's causal and window_size.
+
+    Query i sees keys j with i + d - left <= j <= i + d + right, d = seqlen_k - seqlen_q (the
+    bottom-right-aligned diagonal); -1 leaves a side unbounded. As in FlashAttention-2, causal=True
+    sets right to 0, and a bound >= seqlen_k is unbounded (-1).
+    """
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(
+            f"window_size must be a tuple (left, right) of two ints, got {window_size!r}"
+        )
+    left, right = window_size
+    for side, value in (("left", left), ("right", right)):
+        if not _is_int(value):
+            raise TypeError(
+                f"window_size {side} must be an int (-1: unbounded), got {type(value).__name__}"
+            )
+        if value < -1:
+            raise ValueError(
+                f"window_size {side} must be >= 0, or -1 for unbounded, got {value}"
+            )
+    if causal:
+        right = 0
+    left = -1 if left >= seqlen_k else left
+    right = -1 if right >= seqlen_k else right
+    return left, right
+
+
+def check_not_yet_supported(dropout_p, softcap, alibi_slopes):
+    """Validates the arguments of features the kernels do not have yet and raises
+    NotImplementedError for any non-default value (never a silently different result)."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p must be a float in [0, 1), got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float >= 0, got {type(softcap).__name__}")
+    if not (softcap >= 0.0 and math.isfinite(softcap)):
+        raise ValueError(f"softcap must be a finite float >= 0 (0: off), got {softcap}")
+    if alibi_slopes is not None and not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(
+            f"alibi_slopes must be None or a float32 tensor, got {type(alibi_slopes).__name__}"
+        )
+    for name, on in (("dropout_p > 0", dropout_p > 0), ("softcap > 0", softcap > 0),
+                     ("alibi_slopes", alibi_slopes is not None)):
+        if on:
+            raise NotImplementedError(
+                f"cutlass_flash: {name} is not supported yet (the kernels have no such path); "
+                "call with the default value"
+            )
+
+
 def is_kernel_layout(t):
     """Whether a 4-D tensor can be passed to the kernels as it is (eager only)."""
     if t.dim() != 4:

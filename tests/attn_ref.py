@@ -64,12 +64,13 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, window=(-1, -1)):
     return out, lse
 
 
-def reference_outputs(q, k, v, dout, causal=False, softmax_scale=None, dtype=None):
+def reference_outputs(q, k, v, dout, causal=False, softmax_scale=None, dtype=None, window=(-1, -1)):
     """(out, lse, dq, dk, dv) of attention_ref on detached copies of q, k, v cast to ``dtype``
-    (default: their own), with gradients for ``dout``."""
+    (default: their own), with gradients for ``dout``. ``window``: (left, right) as the kernels
+    take it (causal=True overrides it with (-1, 0))."""
     dtype = q.dtype if dtype is None else dtype
     leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-    out, lse = attention_ref(*leaves, causal=causal, softmax_scale=softmax_scale)
+    out, lse = attention_ref(*leaves, causal=causal, softmax_scale=softmax_scale, window=window)
     dq, dk, dv = torch.autograd.grad(out, leaves, dout.to(dtype))
     return out.detach(), lse.detach(), dq, dk, dv
 

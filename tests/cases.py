@@ -45,6 +45,7 @@ class Case:
     arch: int  # kernel family forced for the call: 80 or 90 (0 = auto)
     layout: str = "contiguous"
     q_scale: float = 1.0  # > 1: large-magnitude logits
+    window: tuple = (-1, -1)  # flash_attn_func's window_size (with causal: right = 0)
 
     @property
     def id(self):
@@ -54,7 +55,15 @@ class Case:
             f"-{heads}{self.nheads}x{self.nheads_kv}-q{self.seqlen_q}-k{self.seqlen_k}"
             f"-{'causal' if self.causal else 'nomask'}-{self.layout}"
         )
-        return s + (f"-qx{self.q_scale:g}" if self.q_scale != 1.0 else "")
+        s += f"-qx{self.q_scale:g}" if self.q_scale != 1.0 else ""
+        return s + (f"-w{self.window[0]}_{self.window[1]}" if self.window != (-1, -1) else "")
+
+    @property
+    def mask(self):
+        """(window_left, window_right) of the call, as flash_attn_func normalizes it."""
+        from cutlass_flash import _validate
+
+        return _validate.check_mask(self.causal, self.window, self.seqlen_k)
 
     @property
     def seed(self):
@@ -185,6 +194,30 @@ def large_logit_cases():
         for dt in DTYPES
         for causal in (False, True)
     ]
+
+
+# Sliding windows (left, right) and the sequence pairs they run on: both sides bounded, one side,
+# zero-width (each query sees one key), windows that leave the first rows of seqlen_q > seqlen_k
+# without keys, and bounds past the sequence (FlashAttention-2: unbounded). With causal the right
+# bound is 0 whatever window_size says.
+WINDOWS = ((0, 0), (16, 0), (100, 30), (-1, 50), (50, -1), (3, 7), (5000, 5000))
+WINDOW_SEQLEN_PAIRS = ((113, 239), (239, 113), (1023, 1024), (1, 17), (2047, 300))
+
+
+def window_cases():
+    """Sliding windows x sequence pairs, causal every third case, per family (head dims, dtypes
+    and MHA/GQA/MQA rotate)."""
+    dims = head_dims()
+    out = []
+    for arch in kernel_archs():
+        i = 0
+        for window in WINDOWS:
+            for sq, sk in WINDOW_SEQLEN_PAIRS:
+                h, hkv = list(HEADS.values())[i % 3]
+                out.append(Case(_batch_for(sq, sk), sq, sk, h, hkv, dims[i % len(dims)],
+                                ("bf16", "fp16")[i % 2], i % 3 == 2, arch, window=window))
+                i += 1
+    return out
 
 
 FULL_SEQLEN_PAIRS = tuple((s, s) for s in SEQLENS) + (

@@ -21,6 +21,7 @@ _GRIDS = {
     "heads_case": cases.heads_cases,
     "layout_case": cases.layout_cases,
     "large_logit_case": cases.large_logit_cases,
+    "window_case": cases.window_cases,
 }
 
 
@@ -62,6 +63,11 @@ def test_layouts(layout_case):
 def test_large_logits(large_logit_case):
     """q scaled by 8: logits of large magnitude."""
     check_case(large_logit_case)
+
+
+def test_windows(window_case):
+    """Sliding windows (window_size), with and without causal, seqlen_q != seqlen_k both ways."""
+    check_case(window_case)
 
 
 def test_full_grid(full_case):

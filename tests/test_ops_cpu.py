@@ -128,6 +128,42 @@ def test_end_to_end_fake(fake_backend, case):
     assert lse.dtype == torch.float32 and lse.shape == (case.batch, case.nheads, case.seqlen_q)
 
 
+WINDOW_CPU_CASES = [
+    Case(2, 17, 33, 4, 2, 40, "fp16", False, 0, window=(3, 5)),
+    Case(2, 33, 17, 4, 1, 64, "bf16", True, 0, window=(4, 9)),     # causal: right = 0
+    Case(1, 20, 20, 4, 4, 128, "bf16", False, 80, window=(0, 0)),  # one key per query
+    Case(1, 40, 9, 2, 2, 64, "fp16", False, 0, window=(2, 0)),     # rows 0-30 see no key
+    Case(1, 9, 30, 2, 1, 96, "bf16", False, 0, window=(-1, 40)),   # right past the keys
+]
+
+
+@pytest.mark.parametrize("case", WINDOW_CPU_CASES, ids=[c.id for c in WINDOW_CPU_CASES])
+def test_window_end_to_end_fake(fake_backend, case):
+    q, k, v = make_inputs(case, "cpu")
+    dout = make_dout(case, "cpu")
+    with cutlass_flash.force_arch(case.arch):
+        out, lse = flash_attn_func(q, k, v, causal=case.causal, window_size=case.window,
+                                   return_lse=True)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    for direction, _, kw in fake_backend.calls[-2:]:
+        assert (kw["window_left"], kw["window_right"]) == case.mask, direction
+    ref = reference_outputs(q, k, v, dout, dtype=torch.float64, window=case.mask)
+    same = reference_outputs(q, k, v, dout, window=case.mask)
+    for name, ours, pt, r in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv),
+                                 same, ref):
+        assert_within_tolerance(name, ours, pt, r)
+
+
+def test_window_changes_the_result(fake_backend):
+    # A window that cuts keys must change out (the mask reaches the kernels), one wider than the
+    # sequence must not.
+    case = Case(1, 24, 24, 2, 2, 64, "bf16", False, 0)
+    q, k, v = (t.detach() for t in make_inputs(case, "cpu"))
+    full = flash_attn_func(q, k, v)
+    assert not torch.equal(flash_attn_func(q, k, v, window_size=(2, 2)), full)
+    assert torch.equal(flash_attn_func(q, k, v, window_size=(24, 100)), full)
+
+
 def test_rows_without_keys(fake_backend):
     q, k, v = (t.requires_grad_() for t in
                (torch.randn(1, 7, 2, 64).to(torch.float16), torch.randn(1, 3, 2, 64).half(),

@@ -147,3 +147,59 @@ def test_op_checks_layout_when_called_directly(fake_backend):
 def test_public_names():
     for name in cutlass_flash.__all__:
         assert hasattr(cutlass_flash, name), name
+
+
+# -- masks and the FlashAttention-2 arguments without a kernel path yet ---------------------------
+
+BAD_ARGS = {
+    # id: (keyword arguments, exception, regex)
+    "causal-int": (dict(causal=1), TypeError, r"causal must be a bool, got int"),
+    "window-int": (dict(window_size=4), TypeError, r"window_size must be a tuple \(left, right\)"),
+    "window-three": (dict(window_size=(1, 2, 3)), TypeError, r"window_size must be a tuple"),
+    "window-float": (dict(window_size=(1.0, 2)), TypeError, r"window_size left must be an int"),
+    "window-bool": (dict(window_size=(4, True)), TypeError, r"window_size right must be an int"),
+    "window-below-minus-one": (dict(window_size=(-2, 0)), ValueError,
+                               r"window_size left must be >= 0, or -1 for unbounded, got -2"),
+    "dropout-negative": (dict(dropout_p=-0.1), ValueError, r"dropout_p must be in \[0, 1\)"),
+    "dropout-one": (dict(dropout_p=1.0), ValueError, r"dropout_p must be in \[0, 1\), got 1.0"),
+    "dropout-str": (dict(dropout_p="0.1"), TypeError, r"dropout_p must be a float"),
+    "softcap-negative": (dict(softcap=-1.0), ValueError, r"softcap must be a finite float >= 0"),
+    "softcap-nan": (dict(softcap=float("nan")), ValueError, r"softcap must be a finite float"),
+    "alibi-list": (dict(alibi_slopes=[0.5] * 4), TypeError, r"alibi_slopes must be None or a"),
+    "dropout-not-yet": (dict(dropout_p=0.1), NotImplementedError, r"dropout_p > 0 is not supported"),
+    "softcap-not-yet": (dict(softcap=30.0), NotImplementedError, r"softcap > 0 is not supported"),
+    "alibi-not-yet": (dict(alibi_slopes=torch.zeros(4)), NotImplementedError,
+                      r"alibi_slopes is not supported"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ARGS), ids=list(BAD_ARGS))
+def test_bad_arguments_raise_before_the_op(fake_backend, case):
+    kwargs, exc, pattern = BAD_ARGS[case]
+    with pytest.raises(exc, match=pattern):
+        flash_attn_func(*qkv(), **kwargs)
+    assert fake_backend.calls == []
+
+
+@pytest.mark.parametrize("causal,window,seqlen_k,expected", [
+    (False, (-1, -1), 24, (-1, -1)),
+    (True, (-1, -1), 24, (-1, 0)),
+    (True, (8, 5), 24, (8, 0)),        # causal: right is 0 whatever window_size says
+    (False, (8, 5), 24, (8, 5)),
+    (False, (0, 0), 24, (0, 0)),
+    (False, [3, -1], 24, (3, -1)),     # a list works too
+    (False, (24, 23), 24, (-1, 23)),   # a bound >= seqlen_k is unbounded (FlashAttention-2)
+    (True, (5000, 7), 24, (-1, 0)),
+])
+def test_mask_normalization(causal, window, seqlen_k, expected):
+    assert _validate.check_mask(causal, window, seqlen_k) == expected
+
+
+def test_flash_attention_2_positional_order(fake_backend):
+    # flash_attn.flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, ...):
+    # positional calls written for it mean the same here.
+    q, k, v = qkv()
+    flash_attn_func(q, k, v, 0.0, 0.25, True, (4, 0))
+    direction, _, kw = fake_backend.calls[-1]
+    assert direction == "fwd" and kw["softmax_scale"] == 0.25
+    assert (kw["window_left"], kw["window_right"]) == (4, 0)
