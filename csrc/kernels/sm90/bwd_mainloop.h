@@ -149,6 +149,60 @@ struct BwdMainloop {
 
   // ---- consumers ----
 
+  // The wgmma operands both layouts read from shared memory, as descriptors: (K, Q by stage, V,
+  // dO by stage) of S^T = K Q^T and dP^T = V dO^T, and (dS by buffer, K^T) of dQ = dS K.
+  template <typename ThrSdP, typename ThrdQ>
+  __device__ static auto score_and_dq_operands(const ThrSdP& thr_sdp, const ThrdQ& thr_dq,
+                                               typename Traits::SharedStorage& shared) {
+    Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKV{});
+    Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutKV{});
+    Tensor sKt = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKt{});
+    Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutQ{});
+    Tensor sdS = make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutdS{});
+    return cute::make_tuple(thr_sdp.partition_fragment_A(sK), thr_sdp.partition_fragment_B(sQ),
+                            thr_sdp.partition_fragment_A(sV), thr_sdp.partition_fragment_B(sdO),
+                            thr_dq.partition_fragment_A(sdS), thr_dq.partition_fragment_B(sKt));
+  }
+
+  // The first half of a consumer step, shared by both layouts: S^T = K Q^T and dP^T = V dO^T
+  // issued together (after their stage's loads), then in their accumulators P^T = exp2(S^T *
+  // scale_log2 - LSE) under the mask, while dP^T is computed, and dS^T = P^T (dP^T - D).
+  // stats_offset: this warpgroup's first query in the step's LSE and D (kStatQueries of them).
+  template <int kStatQueries, typename TiledMma, typename FragA, typename FragB, typename Acc, typename Coords>
+  __device__ static void scores(TiledMma& mma_sdp, const FragA& tSrK, const FragB& tSrQ, const FragA& tdPrV,
+                                const FragB& tdPrdO, Pipeline& pipeline_q, const PipelineState& st_q,
+                                Pipeline& pipeline_do, const PipelineState& st_do, typename Traits::SharedStorage& shared,
+                                int stats_offset, const WindowMask& mask, const Coords& tScS, int m, int n_block,
+                                float scale_log2, Acc& acc_s, Acc& acc_dp) {
+    pipeline_q.consumer_wait(st_q);
+    gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_sdp, tSrK, tSrQ(_, _, _, st_q.index()), acc_s);
+    pipeline_do.consumer_wait(st_do);
+    gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_sdp, tdPrV, tdPrdO(_, _, _, st_do.index()), acc_dp);
+    warpgroup_wait<1>();  // S^T done, dP^T running
+    warpgroup_fence_operand(acc_s);
+    if (mask.block_needs_mask<kBlockM, kBlockN>(m, n_block))
+      mask.apply</*kTransposed=*/true>(acc_s, tScS, m * kBlockM, n_block * kBlockN);
+    Tensor s = colrow_view(acc_s);  // (query, key)
+    const QueryStats<kStatQueries> lse(shared.lse_log2.data() + st_q.index() * kBlockM + stats_offset);
+    CUTE_UNROLL
+    for (int qi = 0; qi < size<0>(s); ++qi) {
+      const float lse_q = lse(qi);
+      CUTE_UNROLL
+      for (int ki = 0; ki < size<1>(s); ++ki) s(qi, ki) = exp2f(s(qi, ki) * scale_log2 - lse_q);
+    }
+    warpgroup_wait<0>();  // dP^T done
+    warpgroup_fence_operand(acc_dp);
+    Tensor ds = colrow_view(acc_dp);
+    const QueryStats<kStatQueries> dpsum(shared.dpsum.data() + st_do.index() * kBlockM + stats_offset);
+    CUTE_UNROLL
+    for (int qi = 0; qi < size<0>(ds); ++qi) {
+      const float d_q = dpsum(qi);
+      CUTE_UNROLL
+      for (int ki = 0; ki < size<1>(ds); ++ki) ds(qi, ki) = s(qi, ki) * (ds(qi, ki) - d_q);
+    }
+  }
+
   // Runs every step of the block for consumer thread `tid` (0 .. kNMmaThreads) and leaves its
   // unscaled dK and its dV in acc_dk, acc_dv.
   template <typename Params, typename AccKV>
@@ -162,24 +216,12 @@ struct BwdMainloop {
     auto thr_dkv = mma_dkv.get_thread_slice(tid);
     auto thr_dq = mma_dq.get_thread_slice(tid);
 
-    Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKV{});
-    Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutKV{});
-    Tensor sKt = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKt{});
-    Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQ{});
-    Tensor sdO = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutQ{});
+    auto [tSrK, tSrQ, tdPrV, tdPrdO, tdQrdS, tdQrK] = score_and_dq_operands(thr_sdp, thr_dq, shared);
     Tensor sQt = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQt{});
     Tensor sdOt = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutQt{});
-    Tensor sdS = make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutdS{});
     Tensor sdSt = make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutdSt{});
-
-    Tensor tSrK = thr_sdp.partition_fragment_A(sK);     // wgmma descriptors
-    Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);     // (MMA, N, K, stage)
-    Tensor tdPrV = thr_sdp.partition_fragment_A(sV);
-    Tensor tdPrdO = thr_sdp.partition_fragment_B(sdO);
-    Tensor tdVrdO = thr_dkv.partition_fragment_B(sdOt);  // (MMA, N, K, stage)
+    Tensor tdVrdO = thr_dkv.partition_fragment_B(sdOt);  // (MMA, N, K, stage): dO^T, Q^T as B of dV, dK
     Tensor tdKrQ = thr_dkv.partition_fragment_B(sQt);
-    Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);   // (MMA, M, K, buffer)
-    Tensor tdQrK = thr_dq.partition_fragment_B(sKt);
 
     // dS^T from registers to shared memory with stmatrix: 8 consecutive queries (16 bytes) of 4
     // keys per instruction and one address per thread, where 4-byte stores kept 16 swizzled
@@ -204,32 +246,8 @@ struct BwdMainloop {
         const int buf = i % Traits::kdSBuffers;
         Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
         Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
-        pipeline_q.consumer_wait(st_q);
-        gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_sdp, tSrK, tSrQ(_, _, _, st_q.index()), acc_s);
-        pipeline_do.consumer_wait(st_do);
-        gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_sdp, tdPrV, tdPrdO(_, _, _, st_do.index()), acc_dp);
-        warpgroup_wait<1>();  // S^T done, dP^T running
-        warpgroup_fence_operand(acc_s);
-        if (mask.block_needs_mask<kBlockM, kBlockN>(m, n_block))
-          mask.apply</*kTransposed=*/true>(acc_s, tScS, m * kBlockM, n_block * kBlockN);
-        Tensor s = colrow_view(acc_s);  // (query, key)
-        const QueryStats<kBlockM> lse(shared.lse_log2.data() + st_q.index() * kBlockM);
-        CUTE_UNROLL
-        for (int qi = 0; qi < kQueries; ++qi) {
-          const float lse_q = lse(qi);
-          CUTE_UNROLL
-          for (int ki = 0; ki < size<1>(s); ++ki) s(qi, ki) = exp2f(s(qi, ki) * scale_log2 - lse_q);
-        }
-        warpgroup_wait<0>();  // dP^T done
-        warpgroup_fence_operand(acc_dp);
-        Tensor ds = colrow_view(acc_dp);
-        const QueryStats<kBlockM> dpsum(shared.dpsum.data() + st_do.index() * kBlockM);
-        CUTE_UNROLL
-        for (int qi = 0; qi < kQueries; ++qi) {
-          const float d_q = dpsum(qi);
-          CUTE_UNROLL
-          for (int ki = 0; ki < size<1>(ds); ++ki) ds(qi, ki) = s(qi, ki) * (ds(qi, ki) - d_q);
-        }
+        scores<kBlockM>(mma_sdp, tSrK, tSrQ, tdPrV, tdPrdO, pipeline_q, st_q, pipeline_do, st_do, shared, 0, mask, tScS,
+                        m, n_block, scale_log2, acc_s, acc_dp);
         Tensor rP = convert_type<Element>(acc_s);
         Tensor rdS = convert_type<Element>(acc_dp);
         copy(r2s_ds, thr_r2s_ds.retile_S(rdS), tdSsdS(_, _, _, buf));

@@ -25,6 +25,7 @@ using namespace cute;
 
 template <typename Traits_>
 struct BwdMainloopSplitD : BwdMainloop<Traits_> {
+  using Base = BwdMainloop<Traits_>;
   using Traits = Traits_;
   using Element = typename Traits::Element;
   using Pipeline = typename Traits::Pipeline;
@@ -46,27 +47,15 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_> {
     auto thr_dkv = mma_dkv.get_thread_slice(tid);
     auto thr_dq = mma_dq.get_thread_slice(tid);
 
-    Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKV{});
-    Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutKV{});
-    Tensor sKt = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKt{});
-    Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQ{});
-    Tensor sdO = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutQ{});
+    auto [tSrK, tSrQ, tdPrV, tdPrdO, tdQrdS, tdQrK] = Base::score_and_dq_operands(thr_sdp, thr_dq, shared);
     Tensor sQt = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQt{});
     Tensor sdOt = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutQt{});
-    Tensor sdS = make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutdS{});
     Tensor sdSt = make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutdSt{});
     Tensor sPt = make_tensor(make_smem_ptr(shared.p.data()), typename Traits::SmemLayoutdSt{});
-
-    Tensor tSrK = thr_sdp.partition_fragment_A(sK);     // wgmma descriptors
-    Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);     // (MMA, N, K, stage)
-    Tensor tdPrV = thr_sdp.partition_fragment_A(sV);
-    Tensor tdPrdO = thr_sdp.partition_fragment_B(sdO);
     Tensor tdVrP = thr_dkv.partition_fragment_A(sPt);    // (MMA, M, K, buffer)
     Tensor tdKrdS = thr_dkv.partition_fragment_A(sdSt);
     Tensor tdVrdO = thr_dkv.partition_fragment_B(sdOt);  // (MMA, N, K, stage)
     Tensor tdKrQ = thr_dkv.partition_fragment_B(sQt);
-    Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);    // (MMA, M, K, buffer)
-    Tensor tdQrK = thr_dq.partition_fragment_B(sKt);
 
     // P^T and dS^T from registers to shared memory with stmatrix (the other layout's dS^T copy).
     auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
@@ -92,32 +81,9 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_> {
         const int buf = i % Traits::kdSBuffers;
         Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
         Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
-        pipeline_q.consumer_wait(st_q);
-        gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_sdp, tSrK, tSrQ(_, _, _, st_q.index()), acc_s);
-        pipeline_do.consumer_wait(st_do);
-        gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_sdp, tdPrV, tdPrdO(_, _, _, st_do.index()), acc_dp);
-        warpgroup_wait<1>();  // S^T done, dP^T running
-        warpgroup_fence_operand(acc_s);
-        if (mask.block_needs_mask<kBlockM, kBlockN>(m, n_block))
-          mask.apply</*kTransposed=*/true>(acc_s, tScS, m * kBlockM, n_block * kBlockN);
-        Tensor s = colrow_view(acc_s);  // (query, key)
-        const QueryStats<kQueriesPerWarpgroup> lse(shared.lse_log2.data() + st_q.index() * kBlockM + query_offset);
-        CUTE_UNROLL
-        for (int qi = 0; qi < kQueries; ++qi) {
-          const float lse_q = lse(qi);
-          CUTE_UNROLL
-          for (int ki = 0; ki < size<1>(s); ++ki) s(qi, ki) = exp2f(s(qi, ki) * scale_log2 - lse_q);
-        }
-        warpgroup_wait<0>();  // dP^T done
-        warpgroup_fence_operand(acc_dp);
-        Tensor ds = colrow_view(acc_dp);
-        const QueryStats<kQueriesPerWarpgroup> dpsum(shared.dpsum.data() + st_do.index() * kBlockM + query_offset);
-        CUTE_UNROLL
-        for (int qi = 0; qi < kQueries; ++qi) {
-          const float d_q = dpsum(qi);
-          CUTE_UNROLL
-          for (int ki = 0; ki < size<1>(ds); ++ki) ds(qi, ki) = s(qi, ki) * (ds(qi, ki) - d_q);
-        }
+        Base::template scores<kQueriesPerWarpgroup>(mma_sdp, tSrK, tSrQ, tdPrV, tdPrdO, pipeline_q, st_q, pipeline_do,
+                                                    st_do, shared, query_offset, mask, tScS, m, n_block, scale_log2,
+                                                    acc_s, acc_dp);
         Tensor rP = convert_type<Element>(acc_s);
         Tensor rdS = convert_type<Element>(acc_dp);
         copy(r2s, thr_r2s.retile_S(rP), tPsP(_, _, _, buf));
