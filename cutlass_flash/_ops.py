@@ -111,7 +111,10 @@ def _fwd_fake(q, k, v, softmax_scale, window_left, window_right, arch, determini
 
 
 def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch,
-              deterministic):
+              deterministic, dq=None, dk=None, dv=None):
+    """The backward; dq / dk / dv: buffers to write the gradients into (else new tensors). A
+    buffer the kernels cannot write in place (a padded head dim, a layout they do not take) is
+    filled by a copy."""
     # dout comes from autograd in any layout (e.g. expanded, with stride 0): copy if needed.
     if not _validate.is_kernel_layout(dout):
         dout = dout.clone(memory_format=torch.contiguous_format)
@@ -135,9 +138,16 @@ def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
     q, k, v, out, dout = (_pad(t, pad) for t in (q, k, v, out, dout))
     lse = lse.contiguous()
     problem = _problem(q, k, padded, softmax_scale, window_left, window_right, dtype_name)
-    dq = torch.empty((batch, seqlen_q, nheads, padded), dtype=q.dtype, device=device)
-    dk = torch.empty((batch, seqlen_k, nheads_kv, padded), dtype=q.dtype, device=device)
-    dv = torch.empty_like(dk)
+    dests = (dq, dk, dv)
+
+    def target(dest, shape):
+        if dest is not None and not pad and _validate.is_kernel_layout(dest):
+            return dest
+        return torch.empty(shape, dtype=q.dtype, device=device)
+
+    dq = target(dq, (batch, seqlen_q, nheads, padded))
+    dk = target(dk, (batch, seqlen_k, nheads_kv, padded))
+    dv = target(dv, (batch, seqlen_k, nheads_kv, padded))
     workspace = torch.empty(
         C.bwd_workspace_bytes(**problem, arch=arch, deterministic=deterministic),
         dtype=torch.uint8,
@@ -161,9 +171,18 @@ def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
         deterministic=deterministic,
         stream=_dispatch.current_stream(device),
     )
+    grads = (dq, dk, dv)
     if pad:
-        dq, dk, dv = (t[..., :head_dim].contiguous() for t in (dq, dk, dv))
-    return dq, dk, dv
+        grads = tuple(t[..., :head_dim] for t in grads)
+    result = []
+    for grad, dest in zip(grads, dests):
+        if dest is None:
+            result.append(grad.contiguous() if pad else grad)
+        else:
+            if grad.data_ptr() != dest.data_ptr():
+                dest.copy_(grad)
+            result.append(dest)
+    return tuple(result)
 
 
 @torch.library.custom_op("cutlass_flash::bwd", mutates_args=())

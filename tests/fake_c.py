@@ -11,7 +11,7 @@ import ctypes
 
 import torch
 
-from attn_ref import attention_probs, attention_ref
+from attn_ref import attention_ref, window_mask
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -112,9 +112,12 @@ class FakeC:
         p = self._problem("bwd", kw)
         assert isinstance(deterministic, bool)
         dtype = DTYPES[p["dtype"]]
-        Q, K, V, _, dO, dQ, dK, dV = self._tensors(
+        Q, K, V, O, dO, dQ, dK, dV = self._tensors(
             p, dtype, q=q, k=k, v=v, o=o, dout=dout, dq=dq, dk=dk, dv=dv
         )
+        assert lse_ptr % 16 == 0
+        lse = _raw(lse_ptr, (p["batch"], p["nheads"], p["seqlen_q"]),
+                   (p["nheads"] * p["seqlen_q"], p["seqlen_q"], 1), torch.float32, self.device)
         # The CUDA caching allocator gives 512-byte alignment; the CPU allocator 64 bytes.
         assert workspace_ptr % 64 == 0 and workspace_ptr != 0, "workspace must be aligned"
         group = p["nheads"] // p["nheads_kv"]
@@ -125,10 +128,20 @@ class FakeC:
         k64 = K.double().repeat_interleave(group, dim=2)
         v64 = V.double().repeat_interleave(group, dim=2)
         do64 = dO.double()
-        probs = attention_probs(q64, k64, scale, (p["window_left"], p["window_right"]))
+        # As the kernels: P from the LSE the caller passes (exp(scale * s - lse), 0 where masked
+        # or where the row sees no key, lse = +inf) and D = rowsum(dO * O) from the O it passes,
+        # so an LSE and O computed elsewhere (ring attention) are used as given.
+        window = (p["window_left"], p["window_right"])
+        scores = torch.einsum("bthd,bshd->bhts", q64 * scale, k64)
+        if window[0] >= 0 or window[1] >= 0:
+            allowed = window_mask(p["seqlen_q"], p["seqlen_k"], window[0], window[1], q64.device)
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.exp(scores - lse.double().unsqueeze(-1))
+        probs = probs.nan_to_num(nan=0.0)  # -inf - (+inf) rows: no key
         gv = torch.einsum("bhts,bthd->bshd", probs, do64)
         dp = torch.einsum("bthd,bshd->bhts", do64, v64)
-        ds = probs * (dp - (probs * dp).sum(-1, keepdim=True))
+        d_row = (do64 * O.double()).sum(-1).transpose(1, 2).unsqueeze(-1)  # (b, h, t, 1)
+        ds = probs * (dp - d_row)
         gq = torch.einsum("bhts,bshd->bthd", ds, k64) * scale
         gk = torch.einsum("bhts,bthd->bshd", ds, q64) * scale
         B, Sk, H, D = gk.shape
