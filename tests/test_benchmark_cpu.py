@@ -122,3 +122,19 @@ def test_fa3_column_and_ratio_with_a_stand_in(monkeypatch, fresh_fa3):
     md = benchmark.markdown(rows, ["ours", "sdpa-flash", "fa3"], {"gpu": "test"}, args)
     assert "| ours / FA2 | ours / FA3 |" in md
     assert "| 128 | 2048 | 8 x 16 | no | 600.0 | 300.0 | 500.0 | 2.00x | 1.20x |" in md
+
+
+def test_window_bench_arguments():
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks",
+                        "window_bench.py")
+    spec = importlib.util.spec_from_file_location("window_bench", path)
+    window_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(window_bench)
+    args = window_bench.parse_args([])
+    assert (args.tokens, args.window, args.head_dims) == (65536, 4096, [64, 128, 256])
+    assert window_bench.parse_args(["--tokens", "8192", "--window", "1024"]).window == 1024
+    with pytest.raises(SystemExit):
+        window_bench.parse_args(["--tokens", "5000", "--window", "4096"])
