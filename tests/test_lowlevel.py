@@ -119,3 +119,20 @@ def test_backward_buffer_checks(fake_backend):
     with pytest.raises(ValueError, match=r"dout must be a tensor like q"):
         _flash_attn_backward(q[:, :4], q, q, q, out, lse, None, None, None, 0.0, None, False)
     assert cutlass_flash.lowlevel.__all__ == ["_flash_attn_forward", "_flash_attn_backward"]
+
+
+def test_buffers_the_kernels_cannot_write_are_filled_by_a_copy(fake_backend):
+    # dq with a strided last dim (not the kernels' layout) and dk as a (B, H, S, D) transpose (their
+    # layout): both end up holding the gradients, and the returned buffers are the caller's.
+    case = Case(1, 16, 16, 2, 2, 64, "bf16", False, 0)
+    q, k, v = (t.detach() for t in make_inputs(case, "cpu"))
+    dout = make_dout(case, "cpu")
+    out, lse, _, _ = _flash_attn_forward(q, k, v, 0.0, None, False)
+    dq = torch.full((1, 16, 2, 128), float("nan"), dtype=q.dtype)[..., ::2]
+    dk = torch.full((1, 2, 16, 64), float("nan"), dtype=q.dtype).transpose(1, 2)
+    dv = torch.full_like(v, float("nan"))
+    _flash_attn_backward(dout, q, k, v, out, lse, dq, dk, dv, 0.0, None, False)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    grads = torch.autograd.grad(flash_attn_func(*leaves), leaves, dout)
+    for name, buf, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), grads):
+        assert torch.equal(buf, ref), name
