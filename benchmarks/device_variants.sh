@@ -6,7 +6,7 @@
 #
 #   OUT=$OUT VARIANTS="base dv-early downward-walk" bash benchmarks/device_variants.sh
 #
-# "base" is the checkout as it is; NAME is benchmarks/variants/NAME.patch. Knobs: DIMS (head dims, default 64,128), DTYPES (bf16),
+# "base" is the checkout as it is; NAME is benchmarks/variants/NAME.patch; A+B applies both. Knobs: DIMS (head dims, default 64,128), DTYPES (bf16),
 # ARCHS (90), TESTS (pytest arguments, default: every GPU test of the restricted build), BENCH
 # (extra benchmark arguments, default: backward, 2k and 8k tokens, causal and not, against
 # cuDNN). Needs the nvidia-cutlass wheel under .carry/ (see benchmarks/device_build.sh).
@@ -23,7 +23,9 @@ root=$(pwd)
 for v in $VARIANTS; do
   rm -rf "/tmp/v$v" && mkdir -p "/tmp/v$v"
   tar -C "$root" --exclude=./build --exclude=./.carry -cf - . | tar -C "/tmp/v$v" -xf -
-  if [ "$v" != base ]; then (cd "/tmp/v$v" && patch -s -p1 < "$root/benchmarks/variants/$v.patch") || exit 1; fi
+  if [ "$v" != base ]; then
+    for part in ${v//+/ }; do (cd "/tmp/v$v" && patch -s -p1 < "$root/benchmarks/variants/$part.patch") || exit 1; done
+  fi
   (cd "/tmp/v$v" && CUTLASS_FLASH_ARCHS=$ARCHS CUTLASS_FLASH_HEAD_DIMS=$DIMS CUTLASS_FLASH_DTYPES=$DTYPES \
      CUTLASS_FLASH_JOBS=8 python3 setup.py build_ext --inplace >"$OUT/build_$v.log" 2>&1
    echo "build $v: rc=$?"; grep -E "nvcc .*spill" "$OUT/build_$v.log" | grep -v " 0 B spill") &
