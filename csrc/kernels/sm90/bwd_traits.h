@@ -169,9 +169,9 @@ struct BwdTraits : BwdTraitsBase<kHeadDim_, kBlockM_, 64 * kNMmaWarpGroups_, kNM
 // exceed a warpgroup's registers): a block of 64 keys; the two consumer warpgroups split S^T and
 // dP^T along the queries (32 each), write P^T and dS^T to shared memory, and split dV, dK and dQ
 // along the head dim (d / 2 columns each: 2 x d / 4 accumulator registers a thread for dK and dV,
-// d / 4 for dQ). dQ goes from registers to the workspace with 16-byte reductions (red, no value returned): its fp32
-// staging tile (64 x d x 4 bytes = 64 KiB at d = 256) does not fit beside K, V and two stages of
-// Q and dO (224 KiB).
+// d / 4 for dQ). dQ goes from registers to the workspace with 16-byte reductions (red, no value
+// returned): its fp32 staging tile (64 x d x 4 bytes = 64 KiB at d = 256) does not fit beside K,
+// V and two stages of Q and dO (224 KiB).
 template <int kHeadDim_, int kBlockM_, int kStages_, typename Element_>
 struct BwdTraitsSplitD : BwdTraitsBase<kHeadDim_, kBlockM_, 64, 2, kStages_, kHeadDim_ / 2, Element_> {
   using Base = BwdTraitsBase<kHeadDim_, kBlockM_, 64, 2, kStages_, kHeadDim_ / 2, Element_>;
