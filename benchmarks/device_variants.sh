@@ -19,6 +19,8 @@ BENCH=${BENCH:---modes bwd --seqlens 2048,8192 --impls ours,sdpa-cudnn --rounds 
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/nvidia_cutlass-*.whl || exit 1
 export PYTHONPATH=/tmp/site
+# FlashAttention-3, where benchmarks/device_fa3.sh built it earlier on this machine (an fa3 column).
+if [ -d /tmp/fa3/hopper ]; then export PYTHONPATH=/tmp/fa3/hopper:$PYTHONPATH; fi
 root=$(pwd)
 for v in $VARIANTS; do
   rm -rf "/tmp/v$v" && mkdir -p "/tmp/v$v"
