@@ -174,15 +174,11 @@ def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
     grads = (dq, dk, dv)
     if pad:
         grads = tuple(t[..., :head_dim] for t in grads)
-    result = []
     for grad, dest in zip(grads, dests):
-        if dest is None:
-            result.append(grad.contiguous() if pad else grad)
-        else:
-            if grad.data_ptr() != dest.data_ptr():
-                dest.copy_(grad)
-            result.append(dest)
-    return tuple(result)
+        if dest is not None and grad.data_ptr() != dest.data_ptr():
+            dest.copy_(grad)
+    # A fresh unpadded gradient is contiguous already (contiguous() returns it as it is).
+    return tuple(grad.contiguous() if dest is None else dest for grad, dest in zip(grads, dests))
 
 
 @torch.library.custom_op("cutlass_flash::bwd", mutates_args=())
@@ -301,12 +297,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     The kernel family is chosen automatically (sm90 kernels on an sm90 GPU when built, else the
     sm80 family); cutlass_flash.force_arch / CUTLASS_FLASH_FORCE_ARCH override it.
     """
-    _validate.check_inputs(q, k, v)
-    scale = _validate.check_softmax_scale(softmax_scale, q.shape[3])
-    window_left, window_right = _validate.check_mask(causal, window_size, k.shape[1])
-    _validate.check_not_yet_supported(dropout_p, softcap, alibi_slopes)
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    scale, window_left, window_right = _validate.check_call(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic)
     args = (q, k, v, scale, window_left, window_right, _dispatch._forced_arch, deterministic)
     if not _plain_eager(q, k, v):
         out, lse = _fwd(*args)

@@ -245,6 +245,20 @@ def check_not_yet_supported(dropout_p, softcap, alibi_slopes):
             )
 
 
+def check_call(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+               deterministic):
+    """The checks of a FlashAttention-2-style call (flash_attn_func and the low-level pair), in
+    order: inputs, softmax_scale, mask, the features without a kernel path, deterministic.
+    Returns (softmax_scale, window_left, window_right) as the kernels take them."""
+    check_inputs(q, k, v)
+    scale = check_softmax_scale(softmax_scale, q.shape[3])
+    window_left, window_right = check_mask(causal, window_size, k.shape[1])
+    check_not_yet_supported(dropout_p, softcap, alibi_slopes)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    return scale, window_left, window_right
+
+
 def is_kernel_layout(t):
     """Whether a 4-D tensor can be passed to the kernels as it is (eager only)."""
     if t.dim() != 4:

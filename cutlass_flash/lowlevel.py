@@ -20,10 +20,6 @@ from . import _dispatch, _ops, _validate
 __all__ = ["_flash_attn_forward", "_flash_attn_backward"]
 
 
-def _mask(causal, window_size_left, window_size_right, seqlen_k):
-    return _validate.check_mask(causal, (window_size_left, window_size_right), seqlen_k)
-
-
 def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left=-1,
                         window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False):
     """(out, softmax_lse, S_dmask, rng_state), as FlashAttention-2's.
@@ -32,10 +28,9 @@ def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_l
     S_dmask: an empty tensor (return_softmax=True is not supported); rng_state: an empty int64
     tensor (no dropout). softmax_scale None: 1/sqrt(head_dim).
     """
-    _validate.check_inputs(q, k, v)
-    scale = _validate.check_softmax_scale(softmax_scale, q.shape[3])
-    left, right = _mask(causal, window_size_left, window_size_right, k.shape[1])
-    _validate.check_not_yet_supported(dropout_p, softcap, alibi_slopes)
+    scale, left, right = _validate.check_call(q, k, v, dropout_p, softmax_scale, causal,
+                                              (window_size_left, window_size_right), softcap,
+                                              alibi_slopes, False)
     if return_softmax:
         raise NotImplementedError("cutlass_flash: return_softmax=True is not supported")
     out, lse = _ops._fwd_impl(q.detach(), k.detach(), v.detach(), scale, left, right,
@@ -64,12 +59,9 @@ def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p,
     to 128), as FlashAttention-2's. out and softmax_lse are taken as given (they need not come
     from _flash_attn_forward on these k, v: ring attention passes the merged ones).
     """
-    _validate.check_inputs(q, k, v)
-    scale = _validate.check_softmax_scale(softmax_scale, q.shape[3])
-    left, right = _mask(causal, window_size_left, window_size_right, k.shape[1])
-    _validate.check_not_yet_supported(dropout_p, softcap, alibi_slopes)
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    scale, left, right = _validate.check_call(q, k, v, dropout_p, softmax_scale, causal,
+                                              (window_size_left, window_size_right), softcap,
+                                              alibi_slopes, deterministic)
     for name, t in (("dout", dout), ("out", out)):
         if not isinstance(t, torch.Tensor) or t.shape != q.shape or t.dtype != q.dtype:
             raise ValueError(f"{name} must be a tensor like q ({tuple(q.shape)} {q.dtype})")
