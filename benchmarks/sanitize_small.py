@@ -7,7 +7,8 @@ Sizes are awkward on purpose (partial query and key blocks, seqlen_q != seqlen_k
 The second shape has more query tiles (4 x 4 x 9 = 144 at 128 rows) than an H100/H200 has SMs, so
 the persistent sm90 kernel takes a second tile on some blocks (Q and O shared memory reused), and
 with causal, query rows that see no key. Pass 80 or 90 to force a kernel family, and a comma-separated
-list of head dims to check only those (default: every head dim with a built backward).
+list of head dims to check only those (default: every head dim with a built backward); a third
+argument `det` runs the backward with deterministic=True (the dQ semaphores).
 """
 import sys
 
@@ -21,6 +22,7 @@ def main():
     dims = sorted({d for (a, direction, d, dt) in cutlass_flash.built_kernels() if direction == "bwd"})
     if len(sys.argv) > 2:
         dims = [int(d) for d in sys.argv[2].split(",")]
+    deterministic = len(sys.argv) > 3 and sys.argv[3] == "det"
     torch.manual_seed(0)
     shapes = ((1, 77, 131), (4, 1100, 600))  # (batch, seqlen_q, seqlen_k)
     cases = [(d, shape, causal) for d in dims for shape in shapes for causal in (False, True)]
@@ -31,7 +33,7 @@ def main():
                         requires_grad=True)
         v = torch.randn_like(k, requires_grad=True)
         with cutlass_flash.force_arch(arch):
-            out = cutlass_flash.flash_attn_func(q, k, v, causal=causal)
+            out = cutlass_flash.flash_attn_func(q, k, v, causal=causal, deterministic=deterministic)
             out.backward(torch.randn_like(out))
         torch.cuda.synchronize()
         print(f"d={d} {batch}x{seqlen_q}x{seqlen_k} causal={causal}: "

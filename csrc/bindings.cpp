@@ -55,7 +55,8 @@ TensorRef4 tensor(const Tensor& t) {
 }
 
 AttnProblem problem(int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_kv, int head_dim,
-                    float softmax_scale, int window_left, int window_right, const std::string& dtype) {
+                    float softmax_scale, int window_left, int window_right, float softcap,
+                    const std::string& dtype) {
   AttnProblem p;
   p.batch = batch;
   p.seqlen_q = seqlen_q;
@@ -66,6 +67,7 @@ AttnProblem problem(int batch, int seqlen_q, int seqlen_k, int nheads, int nhead
   p.softmax_scale = softmax_scale;
   p.window_left = window_left;
   p.window_right = window_right;
+  p.softcap = softcap;
   p.dtype = parse_dtype(dtype);
   return p;
 }
@@ -98,12 +100,12 @@ void run_without_gil(F&& call) {
 
 void fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, uintptr_t lse,
          uintptr_t workspace, int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_kv, int head_dim,
-         float softmax_scale, int window_left, int window_right, const std::string& dtype, int arch,
+         float softmax_scale, int window_left, int window_right, float softcap, const std::string& dtype, int arch,
          uintptr_t stream) {
   FwdParams params;
   set_common(params, q, k, v, o, workspace,
              problem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, softmax_scale,
-                     window_left, window_right, dtype));
+                     window_left, window_right, softcap, dtype));
   params.lse = reinterpret_cast<float*>(lse);
   run_without_gil([&] { return run_fwd(params, arch, as_stream(stream)); });
 }
@@ -111,12 +113,12 @@ void fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, uin
 void bwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& dout,
          uintptr_t lse, const Tensor& dq, const Tensor& dk, const Tensor& dv, uintptr_t workspace,
          int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_kv, int head_dim,
-         float softmax_scale, int window_left, int window_right, const std::string& dtype, int arch,
+         float softmax_scale, int window_left, int window_right, float softcap, const std::string& dtype, int arch,
          bool deterministic, uintptr_t stream) {
   BwdParams params;
   set_common(params, q, k, v, o, workspace,
              problem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, softmax_scale,
-                     window_left, window_right, dtype));
+                     window_left, window_right, softcap, dtype));
   params.dout = tensor(dout);
   params.lse = reinterpret_cast<const float*>(lse);
   params.dq = tensor(dq);
@@ -130,18 +132,19 @@ void bwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, con
 template <Direction kDir>
 size_t workspace_bytes(int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_kv,
                        int head_dim, float softmax_scale, int window_left, int window_right,
-                       const std::string& dtype, int arch, bool deterministic) {
+                       float softcap, const std::string& dtype, int arch, bool deterministic) {
   const AttnProblem p = problem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim,
-                                softmax_scale, window_left, window_right, dtype);
+                                softmax_scale, window_left, window_right, softcap, dtype);
   check(dispatch::check_problem(p, arch, kDir));
   return kDir == Direction::kForward ? fwd_workspace_bytes(p, arch) : bwd_workspace_bytes(p, arch, deterministic);
 }
 
 size_t fwd_workspace_bytes_py(int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_kv, int head_dim,
-                              float softmax_scale, int window_left, int window_right, const std::string& dtype,
-                              int arch) {
+                              float softmax_scale, int window_left, int window_right, float softcap,
+                              const std::string& dtype, int arch) {
   return workspace_bytes<Direction::kForward>(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim,
-                                              softmax_scale, window_left, window_right, dtype, arch, false);
+                                              softmax_scale, window_left, window_right, softcap, dtype, arch,
+                                              false);
 }
 
 py::list built() {
@@ -168,7 +171,7 @@ PYBIND11_MODULE(_C, m) {
 #define CUTLASS_FLASH_PROBLEM_ARGS                                                            \
   py::arg("batch"), py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("nheads"),              \
       py::arg("nheads_kv"), py::arg("head_dim"), py::arg("softmax_scale"),                    \
-      py::arg("window_left"), py::arg("window_right"), py::arg("dtype")
+      py::arg("window_left"), py::arg("window_right"), py::arg("softcap"), py::arg("dtype")
 
   m.def("fwd", &fwd, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"), py::arg("lse_ptr"),
         py::arg("workspace_ptr"), py::kw_only(), CUTLASS_FLASH_PROBLEM_ARGS, py::arg("arch"),

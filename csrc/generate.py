@@ -135,36 +135,57 @@ BWD_SEMAPHORE_ROWS = 64
 # Alignment of the forward's scratch memory (when a family needs any), checked by the host API
 # (kFwdWorkspaceAlign) and by the tests' fake binding.
 FWD_WORKSPACE_ALIGN = 16
+# Deterministic mode splits the key blocks of a (batch, head) into this many groups (key block n
+# in group n % groups), each adding dQ into its own fp32 copy in a fixed order, and the dQ
+# conversion sums the copies in group order: the chain of turns between key blocks is this many
+# times shorter (common/dq_semaphore.h), for this many times the dQ scratch.
+BWD_DQ_GROUPS = 4
+# ... where the chains are long enough to pay for the copies (zeroed and summed in every call):
+# from 4k keys (32 blocks of 128), and only in the d <= 128 layout. Measured on an H100, bf16,
+# 16k tokens (PERFLOG 31): with 4 groups everywhere, det / default went from 0.86-0.89 to
+# 0.68-0.75 at d = 128 with 1-2k keys, from 0.57-0.68 to 0.87-0.96 at d = 64 with 8-16k keys, and
+# stayed 0.44-0.57 at d = 256 (the split-d layout waits elsewhere).
+BWD_DQ_GROUPS_MIN_SEQLEN_K = 4096
+BWD_DQ_GROUPS_MAX_HEAD_DIM = 128
+
+
+def bwd_dq_groups(seqlen_k: int, head_dim: int, deterministic: bool) -> int:
+    """dQ copies of a backward call (the same rule as the generated bwd_dq_groups)."""
+    return BWD_DQ_GROUPS if (deterministic and seqlen_k >= BWD_DQ_GROUPS_MIN_SEQLEN_K and
+                             head_dim <= BWD_DQ_GROUPS_MAX_HEAD_DIM) else 1
 # (array, element type, elements per rounded query row: (multiplier, divisor) with the multiplier
-# "head_dim" or 1, present only in deterministic mode). Arrays follow each other in this order.
-BWD_WORKSPACE_ARRAYS: Tuple[Tuple[str, str, Tuple[object, int], bool], ...] = (
-    ("dq_accum", "float", ("head_dim", 1), False),   # fp32 dQ, per query tile in the kernel's order
-    ("dpsum", "float", (1, 1), False),               # rowsum(dO * O)
-    ("lse_log2", "float", (1, 1), False),            # LSE * log2(e); +inf on padding rows
-    ("dq_semaphore", "int", (1, BWD_SEMAPHORE_ROWS), True),
+# "head_dim" or 1, present only in deterministic mode, one copy per dQ group in deterministic
+# mode). Arrays follow each other in this order.
+BWD_WORKSPACE_ARRAYS: Tuple[Tuple[str, str, Tuple[object, int], bool, bool], ...] = (
+    ("dq_accum", "float", ("head_dim", 1), False, True),  # fp32 dQ, per query tile in the kernel's order
+    ("dpsum", "float", (1, 1), False, False),             # rowsum(dO * O)
+    ("lse_log2", "float", (1, 1), False, False),          # LSE * log2(e); +inf on padding rows
+    ("dq_semaphore", "int", (1, BWD_SEMAPHORE_ROWS), True, True),
 )
 _CXX_SIZEOF = {"float": 4, "int": 4}
 
 
-def bwd_workspace_bytes(batch: int, nheads: int, seqlen_q: int, head_dim: int,
+def bwd_workspace_bytes(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, head_dim: int,
                         deterministic: bool) -> int:
     """Bytes of backward scratch (the same arithmetic as the generated C++ layout)."""
     rows = batch * nheads * (-(-seqlen_q // BWD_ROW_ALIGN) * BWD_ROW_ALIGN)
+    groups = bwd_dq_groups(seqlen_k, head_dim, deterministic)
     total = 0
-    for _, ctype, per_row, det_only in BWD_WORKSPACE_ARRAYS:
+    for _, ctype, per_row, det_only, grouped in BWD_WORKSPACE_ARRAYS:
         mul, div = per_row
         count = 0 if det_only and not deterministic else \
-            rows * (head_dim if mul == "head_dim" else mul) // div
+            rows * (groups if grouped else 1) * (head_dim if mul == "head_dim" else mul) // div
         total = -(-(total + count * _CXX_SIZEOF[ctype]) // BWD_ARRAY_ALIGN) * BWD_ARRAY_ALIGN
     return total
 
 
 def bwd_workspace_header() -> str:
-    fields = "".join(f"  size_t {name}_offset;  // {ctype}\n" for name, ctype, _, _ in BWD_WORKSPACE_ARRAYS)
+    fields = "".join(f"  size_t {name}_offset;  // {ctype}\n" for name, ctype, _, _, _ in BWD_WORKSPACE_ARRAYS)
     steps = ""
-    for name, ctype, per_row, det_only in BWD_WORKSPACE_ARRAYS:
+    for name, ctype, per_row, det_only, grouped in BWD_WORKSPACE_ARRAYS:
         mul, div = per_row
-        count = f"rows * {'size_t(p.head_dim)' if mul == 'head_dim' else mul} / {div}"
+        rows = "rows * w.dq_groups" if grouped else "rows"
+        count = f"{rows} * {'size_t(p.head_dim)' if mul == 'head_dim' else mul} / {div}"
         if det_only:
             count = f"(deterministic ? {count} : 0)"
         steps += (f"  w.{name}_offset = off;\n"
@@ -191,19 +212,37 @@ namespace cutlass_flash {{
 constexpr int kBwdRowAlign = {BWD_ROW_ALIGN};
 constexpr size_t kBwdArrayAlign = {BWD_ARRAY_ALIGN};
 constexpr int kBwdSemaphoreRows = {BWD_SEMAPHORE_ROWS};
+constexpr int kBwdDqGroups = {BWD_DQ_GROUPS};
+constexpr int kBwdDqGroupsMinSeqlenK = {BWD_DQ_GROUPS_MIN_SEQLEN_K};
+constexpr int kBwdDqGroupsMaxHeadDim = {BWD_DQ_GROUPS_MAX_HEAD_DIM};
 constexpr size_t kFwdWorkspaceAlign = {FWD_WORKSPACE_ALIGN};
 
 struct BwdWorkspace {{
   int64_t seqlen_q_rounded;  // rows per (batch, head) in every array
+  int64_t rows;              // rows of one copy: batch * nheads * seqlen_q_rounded
+  int dq_groups;             // copies of dq_accum and dq_semaphore: bwd_dq_groups
 {fields}  size_t total_bytes;
+
+  // Row offset of key block n_block's dQ copy (its group's) in dq_accum and dq_semaphore, added
+  // to a BlockInfo::workspace_row; 0 unless deterministic.
+  CUTLASS_FLASH_HOST_DEVICE int64_t dq_group_row(int n_block) const {{ return (n_block % dq_groups) * rows; }}
 }};
 
 CUTLASS_FLASH_HOST_DEVICE inline size_t align_up(size_t x, size_t a) {{ return (x + a - 1) / a * a; }}
 
+// kBwdDqGroups copies where key blocks are many enough for the shorter chains to pay (see
+// csrc/generate.py), else 1.
+CUTLASS_FLASH_HOST_DEVICE inline int bwd_dq_groups(const AttnProblem& p, bool deterministic) {{
+  return deterministic && p.seqlen_k >= kBwdDqGroupsMinSeqlenK && p.head_dim <= kBwdDqGroupsMaxHeadDim
+             ? kBwdDqGroups : 1;
+}}
+
 CUTLASS_FLASH_HOST_DEVICE inline BwdWorkspace bwd_workspace_layout(const AttnProblem& p, bool deterministic) {{
   BwdWorkspace w{{}};
   w.seqlen_q_rounded = (int64_t(p.seqlen_q) + kBwdRowAlign - 1) / kBwdRowAlign * kBwdRowAlign;
-  const size_t rows = size_t(p.batch) * size_t(p.nheads) * size_t(w.seqlen_q_rounded);
+  w.rows = int64_t(p.batch) * p.nheads * w.seqlen_q_rounded;
+  w.dq_groups = bwd_dq_groups(p, deterministic);
+  const size_t rows = size_t(w.rows);
   size_t off = 0;
 {steps}  w.total_bytes = off;
   return w;

@@ -2,16 +2,17 @@
 
 Ops (visible to torch.compile as single nodes, with fake and autograd implementations):
 
-  cutlass_flash::fwd(q, k, v, softmax_scale, window_left, window_right, arch, deterministic)
-      -> (out, lse)
+  cutlass_flash::fwd(q, k, v, softmax_scale, window_left, window_right, arch, deterministic,
+                     softcap=0.0) -> (out, lse)
   cutlass_flash::bwd(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch,
-                     deterministic) -> (dq, dk, dv)
+                     deterministic, softcap=0.0) -> (dq, dk, dv)
 
 q: (batch, seqlen_q, nheads, head_dim); k, v: (batch, seqlen_k, nheads_kv, head_dim); last dim
 contiguous. out: like q (contiguous); lse: float32 (batch, nheads, seqlen_q), natural log, +inf for
 rows that see no key. dq, dk, dv: contiguous, shaped like q, k, v (the kernels sum the dK/dV of a
 GQA group). The window is relative to the bottom-right-aligned diagonal: (-1, -1) no mask, (-1, 0)
-causal. arch: kernel family, 0 = auto. deterministic: the backward accumulates dQ in a fixed
+causal. softcap > 0: the scaled scores x become softcap * tanh(x / softcap) (Gemma 2); lse is
+that of the capped scores. arch: kernel family, 0 = auto. deterministic: the backward accumulates dQ in a fixed
 order (the forward only carries it to its autograd context).
 Head dims that are not instantiated are zero-padded here and the results sliced back.
 
@@ -34,7 +35,7 @@ def _ref4(t):
     return (t.data_ptr(), s[0], s[1], s[2])
 
 
-def _problem(q, k, head_dim, softmax_scale, window_left, window_right, dtype_name):
+def _problem(q, k, head_dim, softmax_scale, window_left, window_right, dtype_name, softcap=0.0):
     batch, seqlen_q, nheads, _ = q.shape
     return dict(
         batch=batch,
@@ -46,6 +47,7 @@ def _problem(q, k, head_dim, softmax_scale, window_left, window_right, dtype_nam
         softmax_scale=softmax_scale,
         window_left=window_left,
         window_right=window_right,
+        softcap=softcap,
         dtype=dtype_name,
     )
 
@@ -54,7 +56,7 @@ def _pad(t, pad):
     return F.pad(t, (0, pad)) if pad else t
 
 
-def _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, deterministic=False):
+def _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, deterministic=False, softcap=0.0):
     _validate.check_op_tensors(q, k, v)
     batch, seqlen_q, nheads, head_dim = q.shape
     padded = _dispatch.padded_head_dim(head_dim)
@@ -67,7 +69,7 @@ def _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, determini
     q, k, v = _pad(q, pad), _pad(k, pad), _pad(v, pad)
     out = torch.empty((batch, seqlen_q, nheads, padded), dtype=q.dtype, device=device)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=device)
-    problem = _problem(q, k, padded, softmax_scale, window_left, window_right, dtype_name)
+    problem = _problem(q, k, padded, softmax_scale, window_left, window_right, dtype_name, softcap)
     workspace_bytes = C.fwd_workspace_bytes(**problem, arch=arch)
     workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device) if workspace_bytes else None
     _dispatch.launch(
@@ -98,12 +100,13 @@ def fwd_op(
     window_right: int,
     arch: int,
     deterministic: bool,
+    softcap: float = 0.0,
 ) -> tuple[_Tensor, _Tensor]:
-    return _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch)
+    return _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, softcap=softcap)
 
 
 @fwd_op.register_fake
-def _fwd_fake(q, k, v, softmax_scale, window_left, window_right, arch, deterministic):
+def _fwd_fake(q, k, v, softmax_scale, window_left, window_right, arch, deterministic, softcap=0.0):
     batch, seqlen_q, nheads, head_dim = q.shape
     out = q.new_empty((batch, seqlen_q, nheads, head_dim))
     lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
@@ -111,7 +114,7 @@ def _fwd_fake(q, k, v, softmax_scale, window_left, window_right, arch, determini
 
 
 def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch,
-              deterministic, dq=None, dk=None, dv=None):
+              deterministic, dq=None, dk=None, dv=None, softcap=0.0):
     """The backward; dq / dk / dv: buffers to write the gradients into (else new tensors). A
     buffer the kernels cannot write in place (a padded head dim, a layout they do not take) is
     filled by a copy."""
@@ -137,7 +140,7 @@ def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
     pad = padded - head_dim
     q, k, v, out, dout = (_pad(t, pad) for t in (q, k, v, out, dout))
     lse = lse.contiguous()
-    problem = _problem(q, k, padded, softmax_scale, window_left, window_right, dtype_name)
+    problem = _problem(q, k, padded, softmax_scale, window_left, window_right, dtype_name, softcap)
     dests = (dq, dk, dv)
 
     def target(dest, shape):
@@ -194,20 +197,23 @@ def bwd_op(
     window_right: int,
     arch: int,
     deterministic: bool,
+    softcap: float = 0.0,
 ) -> tuple[_Tensor, _Tensor, _Tensor]:
     return _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch,
-                     deterministic)
+                     deterministic, softcap=softcap)
 
 
 @bwd_op.register_fake
 def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch,
-              deterministic):
+              deterministic, softcap=0.0):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, window_left, window_right, arch, deterministic = inputs
+    q, k, v, softmax_scale, window_left, window_right, arch, deterministic, *rest = inputs
     out, lse = output
+    ctx.softcap = rest[0] if rest else 0.0
+    ctx.num_inputs = len(inputs)
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.softmax_scale = softmax_scale
     ctx.window = (window_left, window_right)
@@ -225,8 +231,8 @@ def _backward_with(bwd):
         if dout is None:
             dout = torch.zeros_like(out)
         dq, dk, dv = bwd(dout, q, k, v, out, lse, ctx.softmax_scale, *ctx.window, ctx.arch,
-                         ctx.deterministic)
-        return dq, dk, dv, None, None, None, None, None
+                         ctx.deterministic, softcap=ctx.softcap)
+        return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
 
     return backward
 
@@ -242,10 +248,11 @@ class _EagerAttention(torch.autograd.Function):
     machine; PERFLOG.md entry 17); torch.compile and other tracing still see the ops."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, window_left, window_right, arch, deterministic):
-        out, lse = _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch)
+    def forward(ctx, q, k, v, softmax_scale, window_left, window_right, arch, deterministic, softcap):
+        out, lse = _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, softcap=softcap)
         _setup_context(
-            ctx, (q, k, v, softmax_scale, window_left, window_right, arch, deterministic), (out, lse)
+            ctx, (q, k, v, softmax_scale, window_left, window_right, arch, deterministic, softcap),
+            (out, lse),
         )
         return out, lse
 
@@ -284,7 +291,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             [i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right]; -1 leaves a side
             unbounded, (-1, -1) is no window. With causal=True, right is 0. As in FlashAttention
             2, a bound >= seqlen_k counts as unbounded. Rows that see no key: as with causal.
-        softcap, alibi_slopes: must be 0.0 and None (not supported yet).
+        softcap: > 0 caps the scaled scores x at softcap * tanh(x / softcap) before the softmax
+            (Gemma 2), with its backward; 0.0 is off.
+        alibi_slopes: must be None (not supported yet).
         deterministic: the backward accumulates dQ in a fixed order, so gradients are
             bit-identical from run to run (and for a sequence alone or inside a batch); slower
             (README.md gives the measured cost). dK/dV are deterministic either way.
@@ -299,7 +308,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     """
     scale, window_left, window_right = _validate.check_call(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic)
-    args = (q, k, v, scale, window_left, window_right, _dispatch._forced_arch, deterministic)
+    args = (q, k, v, scale, window_left, window_right, _dispatch._forced_arch, deterministic,
+            float(softcap))
     if not _plain_eager(q, k, v):
         out, lse = _fwd(*args)
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):

@@ -222,8 +222,9 @@ def check_mask(causal, window_size, seqlen_k):
 
 
 def check_not_yet_supported(dropout_p, softcap, alibi_slopes):
-    """Validates the arguments of features the kernels do not have yet and raises
-    NotImplementedError for any non-default value (never a silently different result)."""
+    """Validates dropout_p, softcap and alibi_slopes, and raises NotImplementedError for the
+    features the kernels do not have yet (dropout, ALiBi) at any non-default value (never a
+    silently different result)."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
         raise TypeError(f"dropout_p must be a float in [0, 1), got {type(dropout_p).__name__}")
     if not 0.0 <= dropout_p < 1.0:
@@ -236,8 +237,7 @@ def check_not_yet_supported(dropout_p, softcap, alibi_slopes):
         raise TypeError(
             f"alibi_slopes must be None or a float32 tensor, got {type(alibi_slopes).__name__}"
         )
-    for name, on in (("dropout_p > 0", dropout_p > 0), ("softcap > 0", softcap > 0),
-                     ("alibi_slopes", alibi_slopes is not None)):
+    for name, on in (("dropout_p > 0", dropout_p > 0), ("alibi_slopes", alibi_slopes is not None)):
         if on:
             raise NotImplementedError(
                 f"cutlass_flash: {name} is not supported yet (the kernels have no such path); "

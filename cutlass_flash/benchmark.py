@@ -40,8 +40,8 @@ SDPA_LABEL = {"sdpa-flash": "FA2", "sdpa-cudnn": "cuDNN", "sdpa-efficient": "eff
 # Reference implementations in the order of the "ours / ..." ratio columns, and their short names.
 RATIO_REFS = ("sdpa-flash", "sdpa-cudnn", "fa3")
 REF_LABEL = {**SDPA_LABEL, "fa3": "FA3"}
-# Every --impls value; ours-det is ours with deterministic=True.
-IMPLS = ("ours", "ours-det", *SDPA_IMPLS, "fa3")
+# Every --impls value; ours-det is ours with deterministic=True, ours-softcap with softcap=SOFTCAP.
+IMPLS = ("ours", "ours-det", "ours-softcap", *SDPA_IMPLS, "fa3")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -126,7 +126,8 @@ def parse_args(argv=None):
     p.add_argument("--impls", type=_impls, default=["ours", *SDPA_IMPLS, "fa3"],
                    help="default: ours,sdpa-flash,sdpa-cudnn,sdpa-efficient,fa3 (fa3: "
                         "FlashAttention-3, skipped with a note where flash_attn_interface does "
-                        "not import); ours-det: ours with deterministic=True")
+                        "not import); ours-det: ours with deterministic=True; ours-softcap: "
+                        f"ours with softcap={SOFTCAP:g}")
     p.add_argument("--total-tokens", type=int, default=16384, help="batch * seqlen (16384)")
     p.add_argument("--hidden", type=int, default=2048, help="nheads * head_dim (2048)")
     p.add_argument("--rounds", type=int, default=5,
@@ -285,9 +286,14 @@ def attention_flops(batch, nheads, seqlen_q, seqlen_k, head_dim, causal, mode):
 # Implementations: each returns a forward function of (q, k, v) in (B, S, H, D) layout.
 
 
-def _ours(causal, deterministic=False):
+# ours-softcap's cap: Gemma 2's attn_logit_softcapping.
+SOFTCAP = 50.0
+
+
+def _ours(causal, deterministic=False, softcap=0.0):
     def fwd(q, k, v):
-        return cutlass_flash.flash_attn_func(q, k, v, causal=causal, deterministic=deterministic)
+        return cutlass_flash.flash_attn_func(q, k, v, causal=causal, softcap=softcap,
+                                             deterministic=deterministic)
     return fwd
 
 
@@ -397,6 +403,8 @@ def implementations(args):
                 out.append((label, _ours, ctx))
         elif impl == "ours-det":  # deterministic=True, kernel family automatic
             out.append((impl, lambda causal: _ours(causal, deterministic=True), contextlib.nullcontext))
+        elif impl == "ours-softcap":  # softcap=SOFTCAP, kernel family automatic
+            out.append((impl, lambda causal: _ours(causal, softcap=SOFTCAP), contextlib.nullcontext))
         elif impl == "fa3":
             if _fa3_interface() is not None:
                 out.append(("fa3", _fa3, contextlib.nullcontext))

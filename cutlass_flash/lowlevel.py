@@ -34,7 +34,7 @@ def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_l
     if return_softmax:
         raise NotImplementedError("cutlass_flash: return_softmax=True is not supported")
     out, lse = _ops._fwd_impl(q.detach(), k.detach(), v.detach(), scale, left, right,
-                              _dispatch._forced_arch)
+                              _dispatch._forced_arch, softcap=float(softcap))
     return out, lse, q.new_empty((0,)), torch.empty((0,), dtype=torch.int64, device=q.device)
 
 
@@ -69,7 +69,7 @@ def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p,
         _check_grad_buffer(name, buf, like)
     dq, dk, dv = _ops._bwd_impl(dout.detach(), q.detach(), k.detach(), v.detach(), out.detach(),
                                 softmax_lse, scale, left, right, _dispatch._forced_arch,
-                                deterministic, dq, dk, dv)
+                                deterministic, dq, dk, dv, softcap=float(softcap))
     batch, seqlen_q, nheads, _ = q.shape
     rounded = -(-seqlen_q // 128) * 128
     softmax_d = torch.zeros((batch, nheads, rounded), dtype=torch.float32, device=q.device)

@@ -35,7 +35,7 @@ def attention_probs(q, k, softmax_scale, window=(-1, -1)):
     return torch.softmax(scores, dim=-1)
 
 
-def attention_ref(q, k, v, causal=False, softmax_scale=None, window=(-1, -1)):
+def attention_ref(q, k, v, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0):
     """Returns (out, lse) computed in q's dtype.
 
     q: (batch, seqlen_q, nheads, d); k, v: (batch, seqlen_k, nheads_kv, d). out: like q.
@@ -48,6 +48,8 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, window=(-1, -1)):
         k = k.repeat_interleave(nheads // nheads_kv, dim=2)
         v = v.repeat_interleave(nheads // nheads_kv, dim=2)
     scores = torch.einsum("bthd,bshd->bhts", q * scale, k)
+    if softcap > 0:  # Gemma 2: the scaled scores capped at softcap * tanh(x / softcap)
+        scores = softcap * torch.tanh(scores / softcap)
     window_left, window_right = (-1, 0) if causal else window
     if window_left >= 0 or window_right >= 0:
         allowed = window_mask(seqlen_q, seqlen_k, window_left, window_right, q.device)
@@ -64,13 +66,15 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, window=(-1, -1)):
     return out, lse
 
 
-def reference_outputs(q, k, v, dout, causal=False, softmax_scale=None, dtype=None, window=(-1, -1)):
+def reference_outputs(q, k, v, dout, causal=False, softmax_scale=None, dtype=None, window=(-1, -1),
+                      softcap=0.0):
     """(out, lse, dq, dk, dv) of attention_ref on detached copies of q, k, v cast to ``dtype``
     (default: their own), with gradients for ``dout``. ``window``: (left, right) as the kernels
     take it (causal=True overrides it with (-1, 0))."""
     dtype = q.dtype if dtype is None else dtype
     leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-    out, lse = attention_ref(*leaves, causal=causal, softmax_scale=softmax_scale, window=window)
+    out, lse = attention_ref(*leaves, causal=causal, softmax_scale=softmax_scale, window=window,
+                             softcap=softcap)
     dq, dk, dv = torch.autograd.grad(out, leaves, dout.to(dtype))
     return out.detach(), lse.detach(), dq, dk, dv
 

@@ -46,6 +46,7 @@ class Case:
     layout: str = "contiguous"
     q_scale: float = 1.0  # > 1: large-magnitude logits
     window: tuple = (-1, -1)  # flash_attn_func's window_size (with causal: right = 0)
+    softcap: float = 0.0
 
     @property
     def id(self):
@@ -56,7 +57,8 @@ class Case:
             f"-{'causal' if self.causal else 'nomask'}-{self.layout}"
         )
         s += f"-qx{self.q_scale:g}" if self.q_scale != 1.0 else ""
-        return s + (f"-w{self.window[0]}_{self.window[1]}" if self.window != (-1, -1) else "")
+        s += f"-w{self.window[0]}_{self.window[1]}" if self.window != (-1, -1) else ""
+        return s + (f"-cap{self.softcap:g}" if self.softcap else "")
 
     @property
     def mask(self):
@@ -217,6 +219,19 @@ def window_cases():
                 out.append(Case(_batch_for(sq, sk), sq, sk, h, hkv, dims[i % len(dims)],
                                 ("bf16", "fp16")[i % 2], i % 3 == 2, arch, window=window))
                 i += 1
+    return out
+
+
+def softcap_cases():
+    """softcap (Gemma 2 uses 50 and 30) at every head dim, with q scaled by 4 so that tanh
+    saturates for part of the scores, causal or not, a window, GQA; per family."""
+    out = []
+    for arch in kernel_archs():
+        for i, hd in enumerate(head_dims()):
+            for causal in (False, True):
+                out.append(Case(2, (113, 239)[causal], 239, 4, (4, 2)[i % 2], hd, ("bf16", "fp16")[i % 2],
+                                causal, arch, q_scale=4.0, softcap=(30.0, 5.0)[causal],
+                                window=(-1, -1) if i % 3 else (64, 16)))
     return out
 
 

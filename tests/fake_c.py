@@ -85,7 +85,7 @@ class FakeC:
         p = self._problem("bwd", kw, check_built=False)
         assert isinstance(deterministic, bool)
         return _generator().bwd_workspace_bytes(
-            p["batch"], p["nheads"], p["seqlen_q"], p["head_dim"], deterministic
+            p["batch"], p["nheads"], p["seqlen_q"], p["seqlen_k"], p["head_dim"], deterministic
         )
 
     def fwd_workspace_bytes(self, **kw):
@@ -103,7 +103,7 @@ class FakeC:
                    (p["nheads"] * p["seqlen_q"], p["seqlen_q"], 1), torch.float32, self.device)
         out, lse_ref = attention_ref(
             Q.double(), K.double(), V.double(), softmax_scale=p["softmax_scale"],
-            window=(p["window_left"], p["window_right"]),
+            window=(p["window_left"], p["window_right"]), softcap=p["softcap"],
         )
         Out.copy_(out)
         lse.copy_(lse_ref)
@@ -133,6 +133,10 @@ class FakeC:
         # so an LSE and O computed elsewhere (ring attention) are used as given.
         window = (p["window_left"], p["window_right"])
         scores = torch.einsum("bthd,bshd->bhts", q64 * scale, k64)
+        cap = p["softcap"]
+        if cap > 0:  # the gradient of x = scale * s goes through tanh: dx = ds * (1 - t^2)
+            t = torch.tanh(scores / cap)
+            scores = cap * t
         if window[0] >= 0 or window[1] >= 0:
             allowed = window_mask(p["seqlen_q"], p["seqlen_k"], window[0], window[1], q64.device)
             scores = scores.masked_fill(~allowed, float("-inf"))
@@ -142,6 +146,8 @@ class FakeC:
         dp = torch.einsum("bthd,bshd->bhts", do64, v64)
         d_row = (do64 * O.double()).sum(-1).transpose(1, 2).unsqueeze(-1)  # (b, h, t, 1)
         ds = probs * (dp - d_row)
+        if cap > 0:
+            ds = ds * (1 - t * t)
         gq = torch.einsum("bhts,bshd->bthd", ds, k64) * scale
         gk = torch.einsum("bhts,bthd->bshd", ds, q64) * scale
         B, Sk, H, D = gk.shape
@@ -151,7 +157,7 @@ class FakeC:
 
     # -- checks ---------------------------------------------------------------------------------
     _KEYS = ("batch", "seqlen_q", "seqlen_k", "nheads", "nheads_kv", "head_dim", "softmax_scale",
-             "window_left", "window_right", "dtype", "arch")
+             "window_left", "window_right", "softcap", "dtype", "arch")
 
     def _problem(self, direction, kw, check_built=True):
         kw = dict(kw)
@@ -165,6 +171,7 @@ class FakeC:
         if kw["nheads"] % kw["nheads_kv"]:
             raise ValueError("nheads must be a multiple of nheads_kv")
         assert isinstance(kw["softmax_scale"], float)
+        assert isinstance(kw["softcap"], float) and kw["softcap"] >= 0
         key = (kw["arch"], direction, kw["head_dim"], kw["dtype"])
         if check_built:
             if key not in self.built:

@@ -61,19 +61,20 @@ def test_markdown_has_one_section_per_dtype_and_mode():
     assert "| 128 | 2048 | 8 x 16 | no | 550.0 | 275.0 | 600.0 | 2.00x | 0.92x |" in fp16
 
 
-def test_ours_det_column_and_bad_impl(monkeypatch, capsys):
+def test_ours_variant_columns_and_bad_impl(monkeypatch, capsys):
     calls = []
     monkeypatch.setattr(benchmark.cutlass_flash, "flash_attn_func",
-                        lambda q, k, v, causal, deterministic: calls.append((causal, deterministic)))
-    args = benchmark.parse_args(["--impls", "ours,ours-det"])
+                        lambda q, k, v, causal, softcap, deterministic:
+                        calls.append((causal, softcap, deterministic)))
+    args = benchmark.parse_args(["--impls", "ours,ours-det,ours-softcap"])
     impls = benchmark.implementations(args)
-    assert [label for label, _, _ in impls] == ["ours", "ours-det"]
+    assert [label for label, _, _ in impls] == ["ours", "ours-det", "ours-softcap"]
     for _, factory, _ in impls:
         factory(True)(None, None, None)
-    assert calls == [(True, False), (True, True)]
+    assert calls == [(True, 0.0, False), (True, 0.0, True), (True, benchmark.SOFTCAP, False)]
     with pytest.raises(SystemExit):
         benchmark.parse_args(["--impls", "ours,fa4"])
-    assert "--impls: expected some of ours, ours-det, sdpa-flash" in capsys.readouterr().err
+    assert "--impls: expected some of ours, ours-det, ours-softcap, sdpa-flash" in capsys.readouterr().err
 
 
 @pytest.fixture

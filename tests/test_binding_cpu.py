@@ -53,8 +53,8 @@ def test_workspace_bytes_takes_our_kwargs():
         # the backward's: the generator's table, which the C++ layout is written from
         for deterministic in (False, True):
             n = C.bwd_workspace_bytes(**p, arch=arch, deterministic=deterministic)
-            assert n == gen.bwd_workspace_bytes(p["batch"], p["nheads"], p["seqlen_q"], head_dim,
-                                                deterministic), (arch, deterministic, n)
+            assert n == gen.bwd_workspace_bytes(p["batch"], p["nheads"], p["seqlen_q"], p["seqlen_k"],
+                                                head_dim, deterministic), (arch, deterministic, n)
 
 
 def test_fwd_and_bwd_take_our_kwargs():

@@ -114,7 +114,8 @@ def test_problem_kwargs(fake_backend):
     (direction, arch, kw), = fake_backend.calls
     assert direction == "fwd"
     assert kw == dict(batch=3, seqlen_q=5, seqlen_k=7, nheads=6, nheads_kv=2, head_dim=128,
-                      softmax_scale=0.3, window_left=-1, window_right=0, dtype="bf16", arch=90)
+                      softmax_scale=0.3, window_left=-1, window_right=0, softcap=0.0, dtype="bf16",
+                      arch=90)
     fake_backend.calls.clear()
     flash_attn_func(q.half(), k.half(), v.half())
     kw = fake_backend.calls[0][2]

@@ -86,8 +86,18 @@ def test_backward_workspace_table():
     # batch 2, 16 heads, 1000 rows -> 1024 rounded: dQ 128 floats + D + LSE per row, and one
     # semaphore per 64 rows when deterministic.
     rows = 2 * 16 * 1024
-    assert gen.bwd_workspace_bytes(2, 16, 1000, 128, False) == rows * 130 * 4
-    assert gen.bwd_workspace_bytes(2, 16, 1000, 128, True) == rows * 130 * 4 + rows // 64 * 4
+    long_k = gen.BWD_DQ_GROUPS_MIN_SEQLEN_K
+    assert gen.bwd_workspace_bytes(2, 16, 1000, long_k, 128, False) == rows * 130 * 4
+    # Deterministic: one copy of dQ (and of the semaphores) per dQ group, where keys are many
+    # and the head dim takes the grouped layout; one copy otherwise.
+    groups = gen.BWD_DQ_GROUPS
+    assert groups > 1
+    assert gen.bwd_workspace_bytes(2, 16, 1000, long_k, 128, True) == \
+        rows * (128 * groups + 2) * 4 + rows * groups // 64 * 4
+    for seqlen_k, head_dim in ((long_k - 1, 128), (long_k, gen.BWD_DQ_GROUPS_MAX_HEAD_DIM + 64)):
+        assert gen.bwd_dq_groups(seqlen_k, head_dim, True) == 1
+        assert gen.bwd_workspace_bytes(2, 16, 1000, seqlen_k, head_dim, True) == \
+            rows * (head_dim + 2) * 4 + rows // 64 * 4
 
 
 def test_restricted_selection():

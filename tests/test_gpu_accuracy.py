@@ -22,6 +22,7 @@ _GRIDS = {
     "layout_case": cases.layout_cases,
     "large_logit_case": cases.large_logit_cases,
     "window_case": cases.window_cases,
+    "softcap_case": cases.softcap_cases,
 }
 
 
@@ -68,6 +69,11 @@ def test_large_logits(large_logit_case):
 def test_windows(window_case):
     """Sliding windows (window_size), with and without causal, seqlen_q != seqlen_k both ways."""
     check_case(window_case)
+
+
+def test_softcap(softcap_case):
+    """softcap: scores capped by tanh, with its backward, q scaled so that tanh saturates."""
+    check_case(softcap_case)
 
 
 def test_full_grid(full_case):

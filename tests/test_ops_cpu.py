@@ -154,6 +154,32 @@ def test_window_end_to_end_fake(fake_backend, case):
         assert_within_tolerance(name, ours, pt, r)
 
 
+SOFTCAP_CPU_CASES = [
+    Case(2, 17, 33, 4, 2, 64, "bf16", False, 0, q_scale=4.0, softcap=5.0),
+    Case(1, 33, 17, 4, 1, 40, "fp16", True, 80, q_scale=4.0, softcap=30.0, window=(8, 0)),
+]
+
+
+@pytest.mark.parametrize("case", SOFTCAP_CPU_CASES, ids=[c.id for c in SOFTCAP_CPU_CASES])
+def test_softcap_end_to_end_fake(fake_backend, case):
+    q, k, v = make_inputs(case, "cpu")
+    dout = make_dout(case, "cpu")
+    with cutlass_flash.force_arch(case.arch):
+        out, lse = flash_attn_func(q, k, v, causal=case.causal, window_size=case.window,
+                                   softcap=case.softcap, return_lse=True)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    for direction, _, kw in fake_backend.calls[-2:]:
+        assert kw["softcap"] == case.softcap, direction
+    ref = reference_outputs(q, k, v, dout, dtype=torch.float64, window=case.mask, softcap=case.softcap)
+    same = reference_outputs(q, k, v, dout, window=case.mask, softcap=case.softcap)
+    for name, ours, pt, r in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv),
+                                 same, ref):
+        assert_within_tolerance(name, ours, pt, r)
+    # The cap changes the result (tanh saturates at q x 4).
+    no_cap = reference_outputs(q, k, v, dout, dtype=torch.float64, window=case.mask)
+    assert (no_cap[0] - ref[0]).abs().max() > 1e-2
+
+
 def test_window_changes_the_result(fake_backend):
     # A window that cuts keys must change out (the mask reaches the kernels), one wider than the
     # sequence must not.

@@ -167,7 +167,6 @@ BAD_ARGS = {
     "softcap-nan": (dict(softcap=float("nan")), ValueError, r"softcap must be a finite float"),
     "alibi-list": (dict(alibi_slopes=[0.5] * 4), TypeError, r"alibi_slopes must be None or a"),
     "dropout-not-yet": (dict(dropout_p=0.1), NotImplementedError, r"dropout_p > 0 is not supported"),
-    "softcap-not-yet": (dict(softcap=30.0), NotImplementedError, r"softcap > 0 is not supported"),
     "alibi-not-yet": (dict(alibi_slopes=torch.zeros(4)), NotImplementedError,
                       r"alibi_slopes is not supported"),
 }

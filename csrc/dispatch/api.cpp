@@ -187,6 +187,8 @@ Status check_problem(const AttnProblem& p, int arch, Direction dir) {
                 prefix(dir) + "unknown dtype value " + to_string(static_cast<int>(p.dtype)));
   if (!std::isfinite(p.softmax_scale))
     return make(Status::kInvalidArgument, prefix(dir) + "softmax_scale must be finite");
+  if (!(std::isfinite(p.softcap) && p.softcap >= 0.f))
+    return make(Status::kInvalidArgument, prefix(dir) + "softcap must be finite and >= 0 (0: off)");
   const CatalogFamily* fam = find_family(arch);
   if (fam == nullptr)
     return make(Status::kInvalidArgument, prefix(dir) + "unknown kernel family arch = " +

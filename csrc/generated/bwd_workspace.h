@@ -20,32 +20,50 @@ namespace cutlass_flash {
 constexpr int kBwdRowAlign = 128;
 constexpr size_t kBwdArrayAlign = 256;
 constexpr int kBwdSemaphoreRows = 64;
+constexpr int kBwdDqGroups = 4;
+constexpr int kBwdDqGroupsMinSeqlenK = 4096;
+constexpr int kBwdDqGroupsMaxHeadDim = 128;
 constexpr size_t kFwdWorkspaceAlign = 16;
 
 struct BwdWorkspace {
   int64_t seqlen_q_rounded;  // rows per (batch, head) in every array
+  int64_t rows;              // rows of one copy: batch * nheads * seqlen_q_rounded
+  int dq_groups;             // copies of dq_accum and dq_semaphore: bwd_dq_groups
   size_t dq_accum_offset;  // float
   size_t dpsum_offset;  // float
   size_t lse_log2_offset;  // float
   size_t dq_semaphore_offset;  // int
   size_t total_bytes;
+
+  // Row offset of key block n_block's dQ copy (its group's) in dq_accum and dq_semaphore, added
+  // to a BlockInfo::workspace_row; 0 unless deterministic.
+  CUTLASS_FLASH_HOST_DEVICE int64_t dq_group_row(int n_block) const { return (n_block % dq_groups) * rows; }
 };
 
 CUTLASS_FLASH_HOST_DEVICE inline size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
+// kBwdDqGroups copies where key blocks are many enough for the shorter chains to pay (see
+// csrc/generate.py), else 1.
+CUTLASS_FLASH_HOST_DEVICE inline int bwd_dq_groups(const AttnProblem& p, bool deterministic) {
+  return deterministic && p.seqlen_k >= kBwdDqGroupsMinSeqlenK && p.head_dim <= kBwdDqGroupsMaxHeadDim
+             ? kBwdDqGroups : 1;
+}
+
 CUTLASS_FLASH_HOST_DEVICE inline BwdWorkspace bwd_workspace_layout(const AttnProblem& p, bool deterministic) {
   BwdWorkspace w{};
   w.seqlen_q_rounded = (int64_t(p.seqlen_q) + kBwdRowAlign - 1) / kBwdRowAlign * kBwdRowAlign;
-  const size_t rows = size_t(p.batch) * size_t(p.nheads) * size_t(w.seqlen_q_rounded);
+  w.rows = int64_t(p.batch) * p.nheads * w.seqlen_q_rounded;
+  w.dq_groups = bwd_dq_groups(p, deterministic);
+  const size_t rows = size_t(w.rows);
   size_t off = 0;
   w.dq_accum_offset = off;
-  off = align_up(off + rows * size_t(p.head_dim) / 1 * sizeof(float), kBwdArrayAlign);
+  off = align_up(off + rows * w.dq_groups * size_t(p.head_dim) / 1 * sizeof(float), kBwdArrayAlign);
   w.dpsum_offset = off;
   off = align_up(off + rows * 1 / 1 * sizeof(float), kBwdArrayAlign);
   w.lse_log2_offset = off;
   off = align_up(off + rows * 1 / 1 * sizeof(float), kBwdArrayAlign);
   w.dq_semaphore_offset = off;
-  off = align_up(off + (deterministic ? rows * 1 / 64 : 0) * sizeof(int), kBwdArrayAlign);
+  off = align_up(off + (deterministic ? rows * w.dq_groups * 1 / 64 : 0) * sizeof(int), kBwdArrayAlign);
   w.total_bytes = off;
   return w;
 }

@@ -39,6 +39,9 @@ struct AttnProblem {
   float softmax_scale = 0.f;
   int window_left = -1;
   int window_right = -1;
+  // > 0: the scaled scores x = softmax_scale * q.k become softcap * tanh(x / softcap) before the
+  // softmax (Gemma 2); 0: off.
+  float softcap = 0.f;
   DType dtype = DType::kBFloat16;
 
   bool is_causal() const { return window_left < 0 && window_right == 0; }

@@ -43,12 +43,15 @@ __global__ void __launch_bounds__(BwdPreprocess::kWarps * 32) bwd_preprocess_ker
   const Element* dout = BlockInfo::slice<const Element>(params.dout, batch, head);
   if (params.deterministic && threadIdx.x < kRows / kBwdSemaphoreRows) {
     int* sem = reinterpret_cast<int*>(workspace + ws.dq_semaphore_offset);
-    sem[(bh_row + blockIdx.x * kRows) / kBwdSemaphoreRows + threadIdx.x] = 0;
+    for (int g = 0; g < ws.dq_groups; ++g)
+      sem[(g * ws.rows + bh_row + blockIdx.x * kRows) / kBwdSemaphoreRows + threadIdx.x] = 0;
   }
   for (int r = warp; r < kRows; r += kWarps) {
     const int row = blockIdx.x * kRows + r;
-    float4* dq_row = reinterpret_cast<float4*>(dq_accum + (bh_row + row) * kHeadDim);
-    for (int c = lane; c < kHeadDim / 4; c += 32) dq_row[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int g = 0; g < ws.dq_groups; ++g) {
+      float4* dq_row = reinterpret_cast<float4*>(dq_accum + (g * ws.rows + bh_row + row) * kHeadDim);
+      for (int c = lane; c < kHeadDim / 4; c += 32) dq_row[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
     float acc = 0.f;
     if (row < p.seqlen_q) {
       for (int c = lane * 8; c < kHeadDim; c += 32 * 8) {

@@ -1,8 +1,11 @@
-// The fixed accumulation order of dQ in deterministic mode (arch-neutral): for each (batch, head,
-// query tile) an int in the workspace counts the key blocks that have added their dQ; key block n
-// adds its share once every lower key block that sees the tile has (FlashAttention-3's scheme).
-// Deadlock-free because a block only ever waits for blocks of lower key index of the same (head,
-// batch), which the hardware starts first: the grids put the key block in blockIdx.x.
+// The fixed accumulation order of dQ in deterministic mode (arch-neutral). The key blocks of a
+// (batch, head) fall into bwd_dq_groups groups (block n in group n % groups), each adding into its
+// own fp32 copy of dQ (BwdWorkspace::dq_group_row); the dQ conversion sums the copies in group
+// order. Per group and query tile an int in the workspace counts the group's key blocks that have
+// added their dQ; key block n adds its share once every lower key block of its group that sees the
+// tile has (FlashAttention-3's scheme, on chains a quarter as long). Deadlock-free because a block
+// only ever waits for blocks of lower key index of the same (head, batch), which the hardware
+// starts first: the grids put the key block in blockIdx.x.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -23,12 +26,12 @@ struct DqSemaphore {
     return counts + (bh_row + int64_t(m_block) * kBlockM) / kBwdSemaphoreRows;
   }
 
-  // How many key blocks below n_block add to query tile m_block: those whose query range
-  // (WindowMask::m_block_range, the same function that bounds their loops) contains it.
+  // How many key blocks of n_block's group below it add to query tile m_block: those whose query
+  // range (WindowMask::m_block_range, the same function that bounds their loops) contains it.
   template <int kBlockM, int kBlockN>
-  __device__ static int turn(const WindowMask& mask, int m_block, int n_block) {
+  __device__ static int turn(const WindowMask& mask, int m_block, int n_block, int groups) {
     int count = 0;
-    for (int n = 0; n < n_block; ++n) {
+    for (int n = n_block % groups; n < n_block; n += groups) {
       int m_min, m_max;
       mask.m_block_range<kBlockM, kBlockN>(n, m_min, m_max);
       count += m_min <= m_block && m_block < m_max;

@@ -38,7 +38,14 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_convert_dq_kernel(const
   auto thr_dq = mma_dq.get_thread_slice(tid);
   Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
   CUTE_UNROLL
-  for (int i = 0; i < size(acc_dq); ++i) acc_dq(i) = dq_tile[dq_accum_index<Traits>(i, tid)] * p.softmax_scale;
+  for (int i = 0; i < size(acc_dq); ++i) acc_dq(i) = dq_tile[dq_accum_index<Traits>(i, tid)];
+  // Deterministic mode: the groups' copies, summed in group order.
+  for (int g = 1; g < ws.dq_groups; ++g) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dq); ++i) acc_dq(i) += dq_tile[g * ws.rows * kHeadDim + dq_accum_index<Traits>(i, tid)];
+  }
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_dq); ++i) acc_dq(i) *= p.softmax_scale;
   Tensor rdq = convert_type<Element>(acc_dq);
   Tensor mdq = make_tensor(make_gmem_ptr(BlockInfo::slice<Element>(params.dq, batch, head)),
                            make_shape(p.seqlen_q, Int<kHeadDim>{}), make_stride(params.dq.row_stride, _1{}));
@@ -99,14 +106,15 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1) bwd_kernel(con
                                        params.q.row_stride), QTile{}, make_coord(_, 0));
     Tensor gdO = local_tile(rows_tensor(BlockInfo::slice<Element>(params.dout, batch, head), p.seqlen_q,
                                         params.dout.row_stride), QTile{}, make_coord(_, 0));
-    float* dq_accum = reinterpret_cast<float*>(workspace + ws.dq_accum_offset) + bh_row * kHeadDim;
+    const int64_t dq_row = bh_row + ws.dq_group_row(n_block);
+    float* dq_accum = reinterpret_cast<float*>(workspace + ws.dq_accum_offset) + dq_row * kHeadDim;
     const float* dpsum = reinterpret_cast<const float*>(workspace + ws.dpsum_offset) + bh_row;
     const float* lse = params.lse + BlockInfo::lse_row(p, batch, head);
     const BwdDqOrder dq_order{params.deterministic ? reinterpret_cast<int*>(workspace + ws.dq_semaphore_offset) : nullptr,
-                              bh_row, n_block};
+                              dq_row, n_block, ws.dq_groups};
     if (g > 0) __syncthreads();  // the last head's final reads of shared memory are done
-    Mainloop::run(gQ, gdO, gK, gV, dq_accum, lse, dpsum, smem, mask, n_block, m_min, m_max,
-                             p.softmax_scale * float(M_LOG2E), acc_dk, acc_dv, dq_order);
+    Mainloop::run(gQ, gdO, gK, gV, dq_accum, lse, dpsum, smem, mask, Softcap(p), n_block, m_min, m_max,
+                  Softcap::softmax_scale(p) * float(M_LOG2E), acc_dk, acc_dv, dq_order);
   }
   Epilogue::store(acc_dk, acc_dv, gdK, gdV, p.softmax_scale, smem, p.seqlen_k - n_block * kBlockN);
 }

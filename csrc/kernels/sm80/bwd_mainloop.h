@@ -12,6 +12,7 @@
 
 #include "kernels/common/dq_semaphore.h"
 #include "kernels/common/mask.h"
+#include "kernels/common/softcap.h"
 #include "kernels/sm80/utils.h"
 
 namespace cutlass_flash::sm80 {
@@ -32,15 +33,16 @@ __device__ __forceinline__ int dq_accum_index(int i, int tid) {
 // semaphores == nullptr: no order (atomics as they come).
 struct BwdDqOrder {
   int* semaphores;
-  int64_t bh_row;
+  int64_t bh_row;  // the row of the block's dQ group (BwdWorkspace::dq_group_row included)
   int n_block;
+  int groups;
 
   template <int kBlockM, int kBlockN>
   __device__ void before(const WindowMask& mask, int m_block) const {
     if (semaphores == nullptr) return;
     if (threadIdx.x == 0)
       DqSemaphore::wait(DqSemaphore{semaphores}.at<kBlockM>(bh_row, m_block),
-                        DqSemaphore::turn<kBlockM, kBlockN>(mask, m_block, n_block));
+                        DqSemaphore::turn<kBlockM, kBlockN>(mask, m_block, n_block, groups));
     __syncthreads();
   }
   template <int kBlockM>
@@ -94,8 +96,8 @@ struct BwdMainloop {
   template <typename TensorQ, typename TensorK, typename TensorAcc>
   __device__ static void run(const TensorQ& gQ, const TensorQ& gdO, const TensorK& gK, const TensorK& gV,
                              float* dq_accum, const float* lse, const float* dpsum, char* smem,
-                             const WindowMask& mask, int n_block, int m_min, int m_max, float scale_log2,
-                             TensorAcc& acc_dk, TensorAcc& acc_dv, const BwdDqOrder& dq_order) {
+                             const WindowMask& mask, const Softcap& softcap, int n_block, int m_min, int m_max,
+                             float scale_log2, TensorAcc& acc_dk, TensorAcc& acc_dv, const BwdDqOrder& dq_order) {
     const int tid = threadIdx.x;
     constexpr int kQTile = Traits::kQTile, kKVTile = Traits::kKVTile, kPTile = Traits::kPTile;
     Element* base = reinterpret_cast<Element*>(smem);
@@ -198,6 +200,7 @@ struct BwdMainloop {
       }
       Tensor tSsQ_m = make_tensor(tSsQ.data() + stage * kQTile, tSsQ.layout());
       gemm_ss(acc_s, tSrQ, tSrK, tSsQ_m, tSsK, mma_sdp, copy_a_sdp, copy_b_sdp, thr_a_sdp, thr_b_sdp);
+      if (softcap.on()) softcap.tanh_scores(acc_s);
       if (mask.block_needs_mask<kBlockM, kBlockN>(m, n_block)) {
         // The thread's first (row, col) goes into the offsets, so each entry's coordinates are
         // compile-time constants: with tScS itself, its 16 column indices were hoisted out of the
@@ -220,6 +223,13 @@ struct BwdMainloop {
       for (int mi = 0; mi < kRows; ++mi) {
         CUTE_UNROLL
         for (int ni = 0; ni < size<1>(ds_rc); ++ni) ds_rc(mi, ni) = p_rc(mi, ni) * (ds_rc(mi, ni) - dpsum_r[mi]);
+      }
+      if (softcap.on()) {  // the gradient of x = scale * s: through tanh's derivative
+        CUTE_UNROLL
+        for (int mi = 0; mi < kRows; ++mi) {
+          CUTE_UNROLL
+          for (int ni = 0; ni < size<1>(ds_rc); ++ni) ds_rc(mi, ni) *= softcap.dtanh(p_rc(mi, ni), lse_r[mi]);
+        }
       }
       const int t = loop_tid();  // everything below: offsets computed here, after the peak
       {

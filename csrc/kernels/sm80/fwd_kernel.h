@@ -8,6 +8,7 @@
 #include "cutlass_flash/params.h"
 #include "kernels/common/block_info.h"
 #include "kernels/common/mask.h"
+#include "kernels/common/softcap.h"
 #include "kernels/common/softmax.h"
 #include "kernels/common/tile_scheduler.h"
 #include "kernels/sm80/fwd_epilogue.h"
@@ -51,10 +52,10 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1) fwd_kernel(con
   clear(acc_o);
   Tensor lse = make_tensor<float>(Shape<Int<kRows>>{});
   if (n_min < n_max) {
-    OnlineSoftmax<kRows> softmax(p.softmax_scale * float(M_LOG2E));
-    Mainloop::run(gQ, gK, gV, smem, mask, m_block, n_min, n_max, acc_o, softmax);
+    OnlineSoftmax<kRows> softmax(Softcap::softmax_scale(p) * float(M_LOG2E));
+    Mainloop::run(gQ, gK, gV, smem, mask, Softcap(p), m_block, n_min, n_max, acc_o, softmax);
     Tensor o_rc = rowcol_view(acc_o);
-    softmax.finalize(o_rc, lse, p.softmax_scale);
+    softmax.finalize(o_rc, lse, Softcap::softmax_scale(p));
   } else {
     fill(lse, INFINITY);  // no key visible to any row of this block: O = 0, LSE = +inf
   }

@@ -68,11 +68,25 @@ __global__ void __launch_bounds__(Traits::kNMmaThreads) bwd_convert_dq_kernel(co
   CUTE_UNROLL
   for (int j = 0; j < size(acc) / 4; ++j) {
     const float4 v = reinterpret_cast<const float4*>(tile)[dq_index<Traits>(4 * j, tid) / 4];
-    acc(4 * j) = v.x * p.softmax_scale;
-    acc(4 * j + 1) = v.y * p.softmax_scale;
-    acc(4 * j + 2) = v.z * p.softmax_scale;
-    acc(4 * j + 3) = v.w * p.softmax_scale;
+    acc(4 * j) = v.x;
+    acc(4 * j + 1) = v.y;
+    acc(4 * j + 2) = v.z;
+    acc(4 * j + 3) = v.w;
   }
+  // Deterministic mode: the dQ groups' copies (BwdWorkspace::dq_group_row), summed in group order.
+  for (int g = 1; g < ws.dq_groups; ++g) {
+    const float4* copy = reinterpret_cast<const float4*>(tile + g * ws.rows * kHeadDim);
+    CUTE_UNROLL
+    for (int j = 0; j < size(acc) / 4; ++j) {
+      const float4 v = copy[dq_index<Traits>(4 * j, tid) / 4];
+      acc(4 * j) += v.x;
+      acc(4 * j + 1) += v.y;
+      acc(4 * j + 2) += v.z;
+      acc(4 * j + 3) += v.w;
+    }
+  }
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); ++i) acc(i) *= p.softmax_scale;
   Tensor r = convert_type<Element>(acc);
   Tensor mdq = make_tensor(make_gmem_ptr(BlockInfo::slice<Element>(params.dq, batch, head)),
                            make_shape(p.seqlen_q, Int<kHeadDim>{}), make_stride(params.dq.row_stride, _1{}));

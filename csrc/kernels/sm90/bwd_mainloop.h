@@ -18,6 +18,7 @@
 #include "kernels/common/block_info.h"
 #include "kernels/common/dq_semaphore.h"
 #include "kernels/common/mask.h"
+#include "kernels/common/softcap.h"
 #include "kernels/sm90/bwd_traits.h"
 #include "kernels/sm90/utils.h"
 
@@ -49,22 +50,21 @@ __host__ __device__ __forceinline__ int dq_index(int i, int tid) {
 }
 
 // A per-query statistic (LSE or D) of a step, as each thread needs it along its S^T accumulator's
-// columns: query 8 j + 2 (lane % 4) + c for row qi = c + 2 j of colrow_view (the wgmma C layout).
-// Each lane loads kBlockM / 8 values (query 8 i + lane % 8 into v[i]) and takes the others from
-// the lane that holds them: half the registers of loading all kBlockM / 4, which at d = 128 made
-// the difference between spilling and not.
+// columns: query 8 j + 2 (lane % 4) + c for row qi = c + 2 j of colrow_view (the wgmma C layout),
+// so each pair c = 0, 1 is two consecutive floats: one 8-byte load per pair, kBlockM / 8 of them.
+// (Before the wgmma descriptors moved to uniform registers, holding these kBlockM / 4 values
+// spilled at d = 128, and the lanes loaded half of them and exchanged the rest with 2 shuffles
+// per value.)
 template <int kBlockM>
 struct QueryStats {
-  float v[kBlockM / 8];
+  float2 v[kBlockM / 8];
 
   __device__ explicit QueryStats(const float* stats) {
     const int lane = threadIdx.x % 32;
     CUTE_UNROLL
-    for (int i = 0; i < kBlockM / 8; ++i) v[i] = stats[8 * i + lane % 8];
+    for (int i = 0; i < kBlockM / 8; ++i) v[i] = *reinterpret_cast<const float2*>(stats + 8 * i + 2 * (lane % 4));
   }
-  __device__ float operator()(int qi) const {
-    return __shfl_sync(0xffffffff, v[qi / 2], 2 * (threadIdx.x % 4) + qi % 2);
-  }
+  __device__ float operator()(int qi) const { return qi % 2 ? v[qi / 2].y : v[qi / 2].x; }
 };
 
 template <typename Traits_>
@@ -173,14 +173,15 @@ struct BwdMainloop {
   __device__ static void scores(TiledMma& mma_sdp, const FragA& tSrK, const FragB& tSrQ, const FragA& tdPrV,
                                 const FragB& tdPrdO, Pipeline& pipeline_q, const PipelineState& st_q,
                                 Pipeline& pipeline_do, const PipelineState& st_do, typename Traits::SharedStorage& shared,
-                                int stats_offset, const WindowMask& mask, const Coords& tScS, int m, int n_block,
-                                float scale_log2, Acc& acc_s, Acc& acc_dp) {
+                                int stats_offset, const WindowMask& mask, const Softcap& softcap, const Coords& tScS,
+                                int m, int n_block, float scale_log2, Acc& acc_s, Acc& acc_dp) {
     pipeline_q.consumer_wait(st_q);
     gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_sdp, tSrK, tSrQ(_, _, _, st_q.index()), acc_s);
     pipeline_do.consumer_wait(st_do);
     gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_sdp, tdPrV, tdPrdO(_, _, _, st_do.index()), acc_dp);
     warpgroup_wait<1>();  // S^T done, dP^T running
     warpgroup_fence_operand(acc_s);
+    if (softcap.on()) softcap.tanh_scores(acc_s);
     if (mask.block_needs_mask<kBlockM, kBlockN>(m, n_block))
       mask.apply</*kTransposed=*/true>(acc_s, tScS, m * kBlockM, n_block * kBlockN);
     Tensor s = colrow_view(acc_s);  // (query, key)
@@ -201,6 +202,18 @@ struct BwdMainloop {
       CUTE_UNROLL
       for (int ki = 0; ki < size<1>(ds); ++ki) ds(qi, ki) = s(qi, ki) * (ds(qi, ki) - d_q);
     }
+    if (softcap.on()) {  // the gradient of x = scale * s: through tanh's derivative
+      // LSE loaded again from shared memory (still this stage's: Q's stage is released after the
+      // dK GEMM) rather than held through the dP^T wait: at d = 64 (128 queries per step) holding
+      // it spilled 216 B, in every call, softcap or not.
+      const QueryStats<kStatQueries> lse_again(shared.lse_log2.data() + st_q.index() * kBlockM + stats_offset);
+      CUTE_UNROLL
+      for (int qi = 0; qi < size<0>(ds); ++qi) {
+        const float lse_q = lse_again(qi);
+        CUTE_UNROLL
+        for (int ki = 0; ki < size<1>(ds); ++ki) ds(qi, ki) *= softcap.dtanh(s(qi, ki), lse_q);
+      }
+    }
   }
 
   // Runs every step of the block for consumer thread `tid` (0 .. kNMmaThreads) and leaves its
@@ -213,15 +226,20 @@ struct BwdMainloop {
     typename Traits::TiledMmadKV mma_dkv;
     typename Traits::TiledMmadQ mma_dq;
     auto thr_sdp = mma_sdp.get_thread_slice(tid);
-    auto thr_dkv = mma_dkv.get_thread_slice(tid);
-    auto thr_dq = mma_dq.get_thread_slice(tid);
+    // The shared-memory operands (wgmma descriptors) depend on the warpgroup alone. Partitioned for
+    // the warpgroup's first thread, taken warp-uniform from lane 0, they are built in uniform
+    // registers instead of per-thread ones moved over with R2UR before every wgmma.
+    const int wg_thread = __shfl_sync(0xffffffff, tid / 128, 0) * 128;
+    auto wg_sdp = mma_sdp.get_thread_slice(wg_thread);
+    auto wg_dkv = mma_dkv.get_thread_slice(wg_thread);
+    auto wg_dq = mma_dq.get_thread_slice(wg_thread);
 
-    auto [tSrK, tSrQ, tdPrV, tdPrdO, tdQrdS, tdQrK] = score_and_dq_operands(thr_sdp, thr_dq, shared);
+    auto [tSrK, tSrQ, tdPrV, tdPrdO, tdQrdS, tdQrK] = score_and_dq_operands(wg_sdp, wg_dq, shared);
     Tensor sQt = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQt{});
     Tensor sdOt = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutQt{});
     Tensor sdSt = make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutdSt{});
-    Tensor tdVrdO = thr_dkv.partition_fragment_B(sdOt);  // (MMA, N, K, stage): dO^T, Q^T as B of dV, dK
-    Tensor tdKrQ = thr_dkv.partition_fragment_B(sQt);
+    Tensor tdVrdO = wg_dkv.partition_fragment_B(sdOt);  // (MMA, N, K, stage): dO^T, Q^T as B of dV, dK
+    Tensor tdKrQ = wg_dkv.partition_fragment_B(sQt);
 
     // dS^T from registers to shared memory with stmatrix: 8 consecutive queries (16 bytes) of 4
     // keys per instruction and one address per thread, where 4-byte stores kept 16 swizzled
@@ -234,7 +252,8 @@ struct BwdMainloop {
     Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
     constexpr int kQueries = decltype(size<0>(colrow_view(tScS)))::value;  // queries per thread
     static_assert(kQueries == kBlockM / 4);
-    const float scale_log2 = params.problem.softmax_scale * float(M_LOG2E);
+    const float scale_log2 = Softcap::softmax_scale(params.problem) * float(M_LOG2E);
+    const Softcap softcap(params.problem);
 
     PipelineState st_q, st_do;
     shared.kv_full.wait(0);
@@ -246,8 +265,8 @@ struct BwdMainloop {
         const int buf = i % Traits::kdSBuffers;
         Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
         Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
-        scores<kBlockM>(mma_sdp, tSrK, tSrQ, tdPrV, tdPrdO, pipeline_q, st_q, pipeline_do, st_do, shared, 0, mask, tScS,
-                        m, n_block, scale_log2, acc_s, acc_dp);
+        scores<kBlockM>(mma_sdp, tSrK, tSrQ, tdPrV, tdPrdO, pipeline_q, st_q, pipeline_do, st_do, shared, 0, mask,
+                        softcap, tScS, m, n_block, scale_log2, acc_s, acc_dp);
         Tensor rP = convert_type<Element>(acc_s);
         Tensor rdS = convert_type<Element>(acc_dp);
         copy(r2s_ds, thr_r2s_ds.retile_S(rdS), tdSsdS(_, _, _, buf));
@@ -269,11 +288,13 @@ struct BwdMainloop {
         // The dQ thread has read this buffer's last dQ (step i - kdQBuffers).
         if (i >= Traits::kdQBuffers) shared.dq_empty[dq_buf].wait((i / Traits::kdQBuffers - 1) & 1);
         if (tid == 0) {
-          const int64_t bh_row = BlockInfo::workspace_row(params.problem, params.seqlen_q_rounded, steps.batch, h);
-          DqTarget target{params.dq_accum + (bh_row + int64_t(m) * kBlockM) * kHeadDim, nullptr, 0};
+          // This key block's dQ group's rows (BwdWorkspace::dq_group_row; 0 unless deterministic).
+          const int64_t dq_row = BlockInfo::workspace_row(params.problem, params.seqlen_q_rounded, steps.batch, h) +
+                                 (n_block % params.dq_groups) * params.dq_group_rows;
+          DqTarget target{params.dq_accum + (dq_row + int64_t(m) * kBlockM) * kHeadDim, nullptr, 0};
           if (params.dq_semaphore != nullptr) {
-            target.semaphore = DqSemaphore{params.dq_semaphore}.at<kBlockM>(bh_row, m);
-            target.turn = DqSemaphore::turn<kBlockM, kBlockN>(mask, m, n_block);
+            target.semaphore = DqSemaphore{params.dq_semaphore}.at<kBlockM>(dq_row, m);
+            target.turn = DqSemaphore::turn<kBlockM, kBlockN>(mask, m, n_block, params.dq_groups);
           }
           shared.dq_target[dq_buf] = target;
         }

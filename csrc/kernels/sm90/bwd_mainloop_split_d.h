@@ -44,18 +44,21 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_> {
     typename Traits::TiledMmadKV mma_dkv;
     typename Traits::TiledMmadQ mma_dq;
     auto thr_sdp = mma_sdp.get_thread_slice(tid);
-    auto thr_dkv = mma_dkv.get_thread_slice(tid);
-    auto thr_dq = mma_dq.get_thread_slice(tid);
+    // wgmma descriptors from the warpgroup's first thread, warp-uniform (bwd_mainloop.h says why).
+    const int wg_thread = __shfl_sync(0xffffffff, tid / 128, 0) * 128;
+    auto wg_sdp = mma_sdp.get_thread_slice(wg_thread);
+    auto wg_dkv = mma_dkv.get_thread_slice(wg_thread);
+    auto wg_dq = mma_dq.get_thread_slice(wg_thread);
 
-    auto [tSrK, tSrQ, tdPrV, tdPrdO, tdQrdS, tdQrK] = Base::score_and_dq_operands(thr_sdp, thr_dq, shared);
+    auto [tSrK, tSrQ, tdPrV, tdPrdO, tdQrdS, tdQrK] = Base::score_and_dq_operands(wg_sdp, wg_dq, shared);
     Tensor sQt = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQt{});
     Tensor sdOt = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutQt{});
     Tensor sdSt = make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutdSt{});
     Tensor sPt = make_tensor(make_smem_ptr(shared.p.data()), typename Traits::SmemLayoutdSt{});
-    Tensor tdVrP = thr_dkv.partition_fragment_A(sPt);    // (MMA, M, K, buffer)
-    Tensor tdKrdS = thr_dkv.partition_fragment_A(sdSt);
-    Tensor tdVrdO = thr_dkv.partition_fragment_B(sdOt);  // (MMA, N, K, stage)
-    Tensor tdKrQ = thr_dkv.partition_fragment_B(sQt);
+    Tensor tdVrP = wg_dkv.partition_fragment_A(sPt);    // (MMA, M, K, buffer)
+    Tensor tdKrdS = wg_dkv.partition_fragment_A(sdSt);
+    Tensor tdVrdO = wg_dkv.partition_fragment_B(sdOt);  // (MMA, N, K, stage)
+    Tensor tdKrQ = wg_dkv.partition_fragment_B(sQt);
 
     // P^T and dS^T from registers to shared memory with stmatrix (the other layout's dS^T copy).
     auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
@@ -67,7 +70,8 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_> {
     Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
     constexpr int kQueries = decltype(size<0>(colrow_view(tScS)))::value;  // queries per thread
     static_assert(kQueries == kQueriesPerWarpgroup / 4);
-    const float scale_log2 = params.problem.softmax_scale * float(M_LOG2E);
+    const float scale_log2 = Softcap::softmax_scale(params.problem) * float(M_LOG2E);
+    const Softcap softcap(params.problem);
     const int query_offset = (tid / 128) * kQueriesPerWarpgroup;  // this warpgroup's first query
 
     PipelineState st_q, st_do;
@@ -75,14 +79,16 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_> {
     int i = 0;
 #pragma unroll 1
     for (int h = steps.head_begin; h < steps.head_begin + steps.heads; ++h) {
-      const int64_t bh_row = BlockInfo::workspace_row(params.problem, params.seqlen_q_rounded, steps.batch, h);
+      // This key block's dQ group's rows (BwdWorkspace::dq_group_row; 0 unless deterministic).
+      const int64_t dq_row = BlockInfo::workspace_row(params.problem, params.seqlen_q_rounded, steps.batch, h) +
+                             (n_block % params.dq_groups) * params.dq_group_rows;
 #pragma unroll 1
       for (int m = steps.m_max - 1; m >= steps.m_min; --m, ++i) {
         const int buf = i % Traits::kdSBuffers;
         Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
         Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
         Base::template scores<kQueriesPerWarpgroup>(mma_sdp, tSrK, tSrQ, tdPrV, tdPrdO, pipeline_q, st_q, pipeline_do,
-                                                    st_do, shared, query_offset, mask, tScS, m, n_block, scale_log2,
+                                                    st_do, shared, query_offset, mask, softcap, tScS, m, n_block, scale_log2,
                                                     acc_s, acc_dp);
         Tensor rP = convert_type<Element>(acc_s);
         Tensor rdS = convert_type<Element>(acc_dp);
@@ -99,7 +105,7 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_> {
         gemm</*kZeroInit=*/false, /*kWait=*/-1>(mma_dkv, tdKrdS(_, _, _, buf), tdKrQ(_, _, _, st_q.index()), acc_dk);
         warpgroup_wait<2>();  // dQ done, dV and dK running
         warpgroup_fence_operand(acc_dq);
-        add_dq(params, acc_dq, mask, bh_row, m, n_block, tid);
+        add_dq(params, acc_dq, mask, dq_row, m, n_block, tid);
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_dv);
         warpgroup_fence_operand(acc_dk);
@@ -116,13 +122,13 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_> {
   // dQ conversion kernel is shared. Deterministic mode: after the lower key blocks' additions,
   // with the block's two warpgroups meeting at a named barrier on each side of theirs.
   template <typename Params, typename AccdQ>
-  __device__ static void add_dq(const Params& params, const AccdQ& acc_dq, const WindowMask& mask, int64_t bh_row,
+  __device__ static void add_dq(const Params& params, const AccdQ& acc_dq, const WindowMask& mask, int64_t dq_row,
                                 int m, int n_block, int tid) {
-    float4* dst = reinterpret_cast<float4*>(params.dq_accum + (bh_row + int64_t(m) * kBlockM) * kHeadDim);
+    float4* dst = reinterpret_cast<float4*>(params.dq_accum + (dq_row + int64_t(m) * kBlockM) * kHeadDim);
     int* semaphore = nullptr;
     if (params.dq_semaphore != nullptr) {
-      semaphore = DqSemaphore{params.dq_semaphore}.at<kBlockM>(bh_row, m);
-      if (tid == 0) DqSemaphore::wait(semaphore, DqSemaphore::turn<kBlockM, kBlockN>(mask, m, n_block));
+      semaphore = DqSemaphore{params.dq_semaphore}.at<kBlockM>(dq_row, m);
+      if (tid == 0) DqSemaphore::wait(semaphore, DqSemaphore::turn<kBlockM, kBlockN>(mask, m, n_block, params.dq_groups));
       cutlass::arch::NamedBarrier::sync(Traits::kNMmaThreads, int(BwdBarrier::kdQTurn));
     }
     CUTE_UNROLL

@@ -236,6 +236,8 @@ struct BwdKernelParams {
   const float* lse_log2;
   int* dq_semaphore;     // null unless deterministic
   int64_t seqlen_q_rounded;
+  int64_t dq_group_rows;  // BwdWorkspace::rows: the row offset between dQ groups' copies
+  int dq_groups;          // BwdWorkspace::dq_groups (1 unless deterministic)
   typename Traits::TmaQ tma_q;
   typename Traits::TmaQ tma_do;
   typename Traits::TmaKV tma_k;

@@ -12,6 +12,7 @@
 
 #include "cutlass_flash/params.h"
 #include "kernels/common/mask.h"
+#include "kernels/common/softcap.h"
 #include "kernels/common/softmax.h"
 #include "kernels/common/tile_scheduler.h"
 #include "kernels/sm90/fwd_epilogue.h"
@@ -101,10 +102,11 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
       Tensor acc_o = partition_fragment_C(mma_pv, Shape<_64, Int<Traits::kHeadDim>>{});
       clear(acc_o);
       Tensor acc_o_rc = rowcol_view(acc_o);
-      OnlineSoftmax<decltype(size<0>(acc_o_rc))::value> softmax(p.softmax_scale * float(M_LOG2E));
-      Mainloop::mma(shared, pipeline_k, pipeline_v, state, ping_pong, mask, tile.block, n_min, n_max, wg, tid, acc_o, softmax);
+      OnlineSoftmax<decltype(size<0>(acc_o_rc))::value> softmax(Softcap::softmax_scale(p) * float(M_LOG2E));
+      Mainloop::mma(shared, pipeline_k, pipeline_v, state, ping_pong, mask, Softcap(p), tile.block, n_min, n_max, wg, tid,
+                    acc_o, softmax);
       Tensor lse = make_tensor<float>(Shape<Int<decltype(size<0>(acc_o_rc))::value>>{});
-      softmax.finalize(acc_o_rc, lse, p.softmax_scale);
+      softmax.finalize(acc_o_rc, lse, Softcap::softmax_scale(p));
       Epilogue::store(params, shared, tile, acc_o, lse, wg, tid);
     }
     Epilogue::finish(tid);

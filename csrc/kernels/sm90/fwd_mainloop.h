@@ -14,6 +14,7 @@
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
 #include "kernels/common/mask.h"
+#include "kernels/common/softcap.h"
 #include "kernels/common/softmax.h"
 #include "kernels/sm90/fwd_traits.h"
 #include "kernels/sm90/utils.h"
@@ -167,8 +168,9 @@ struct FwdMainloop {
   __device__ __forceinline__ static void mma(typename Traits::SharedStorage& shared, PipelineKV& pipeline_k,
                                              PipelineKV& pipeline_v, ConsumerState& st,
                                              const WarpScheduler<Traits::kNMmaWarpGroups>& scheduler,
-                                             const WindowMask& mask, int m_block, int n_min, int n_max, int wg,
-                                             int tid, AccO& acc_o, Softmax& softmax) {
+                                             const WindowMask& mask, const Softcap& softcap, int m_block,
+                                             int n_min, int n_max, int wg, int tid, AccO& acc_o,
+                                             Softmax& softmax) {
     typename Traits::TiledMmaQK mma_qk;
     typename Traits::TiledMmaPV mma_pv;
     auto thr_qk = mma_qk.get_thread_slice(tid);
@@ -193,6 +195,7 @@ struct FwdMainloop {
     // Whether key block n needs element-wise masking for any row of the tile (one uniform test).
     auto needs_mask = [&](int n) { return mask.block_needs_mask<kBlockM, kBlockN>(m_block, n); };
     auto scores = [&](auto& tSrS, int n_block, bool masked) {
+      if (softcap.on()) softcap.tanh_scores(tSrS);
       if (masked) mask.apply(tSrS, tScS, row_offset, n_block * kBlockN);
     };
 

@@ -53,6 +53,7 @@ constexpr BwdTile bwd_tile(int head_dim) {
   // Registers per consumer thread: dK + dV = head_dim, S + dP = block_m (fp32), P and dS in 16 bits
   // block_m / 2, dQ block_m x head_dim / (64 x warpgroups): within 240 at 64 x 128 for d <= 128.
   // d = 64 at block_m 128 spilled 68 B (S + dP 128 registers).
+  if (head_dim <= 64) return {BwdLayout::kKeysPerWarpgroup, 128, 2, 2};
   if (head_dim <= 128) return {BwdLayout::kKeysPerWarpgroup, 64, 2, 2};
   // Split d: dK + dV d / 2, dQ d / 4, S + dP 32 registers a thread; shared memory at d = 256:
   // K, V 2 x 32 KiB, Q and dO 2 x 2 x 32 KiB, P^T and dS^T 2 x 2 x 8 KiB = 224 KiB.
