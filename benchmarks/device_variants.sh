@@ -22,6 +22,7 @@ export PYTHONPATH=/tmp/site
 # FlashAttention-3, where benchmarks/device_fa3.sh built it earlier on this machine (an fa3 column).
 if [ -d /tmp/fa3/hopper ]; then export PYTHONPATH=/tmp/fa3/hopper:$PYTHONPATH; fi
 root=$(pwd)
+# Output names use _ for + (the device tool returns no file whose name has a +).
 for v in $VARIANTS; do
   rm -rf "/tmp/v$v" && mkdir -p "/tmp/v$v"
   tar -C "$root" --exclude=./build --exclude=./.carry -cf - . | tar -C "/tmp/v$v" -xf -
@@ -29,8 +30,8 @@ for v in $VARIANTS; do
     for part in ${v//+/ }; do (cd "/tmp/v$v" && patch -s -p1 < "$root/benchmarks/variants/$part.patch") || exit 1; done
   fi
   (cd "/tmp/v$v" && CUTLASS_FLASH_ARCHS=$ARCHS CUTLASS_FLASH_HEAD_DIMS=$DIMS CUTLASS_FLASH_DTYPES=$DTYPES \
-     CUTLASS_FLASH_JOBS=8 python3 setup.py build_ext --inplace >"$OUT/build_$v.log" 2>&1
-   echo "build $v: rc=$?"; grep -E "nvcc .*spill" "$OUT/build_$v.log" | grep -v " 0 B spill") &
+     CUTLASS_FLASH_JOBS=8 python3 setup.py build_ext --inplace >"$OUT/build_${v//+/_}.log" 2>&1
+   echo "build $v: rc=$?"; grep -E "nvcc .*spill" "$OUT/build_${v//+/_}.log" | grep -v " 0 B spill") &
 done
 wait
 for v in $VARIANTS; do
@@ -41,6 +42,6 @@ for r in 1 2; do
   for v in $VARIANTS; do
     echo "== benchmark $v, round $r"
     (cd "/tmp/v$v" && timeout 200 python3 -m cutlass_flash.benchmark --head-dims "$DIMS" --dtype "$DTYPES" $BENCH \
-       --no-plot --out "$OUT/bench_${v}_$r" 2>&1 | grep "^| [0-9]")
+       --no-plot --out "$OUT/bench_${v//+/_}_$r" 2>&1 | grep "^| [0-9]")
   done
 done
