@@ -8,7 +8,9 @@ The second shape has more query tiles (4 x 4 x 9 = 144 at 128 rows) than an H100
 the persistent sm90 kernel takes a second tile on some blocks (Q and O shared memory reused), and
 with causal, query rows that see no key. Pass 80 or 90 to force a kernel family, and a comma-separated
 list of head dims to check only those (default: every head dim with a built backward); a third
-argument `det` runs the backward with deterministic=True (the dQ semaphores).
+argument `det` runs the backward with deterministic=True (the dQ semaphores), `varlen` runs
+variable-length batches instead, with good and with bad cu_seqlens (past the tensors, decreasing),
+which the kernels must clamp.
 """
 import sys
 
@@ -23,6 +25,8 @@ def main():
     if len(sys.argv) > 2:
         dims = [int(d) for d in sys.argv[2].split(",")]
     deterministic = len(sys.argv) > 3 and sys.argv[3] == "det"
+    if len(sys.argv) > 3 and sys.argv[3] == "varlen":
+        return varlen(arch, dims)
     torch.manual_seed(0)
     shapes = ((1, 77, 131), (4, 1100, 600))  # (batch, seqlen_q, seqlen_k)
     cases = [(d, shape, causal) for d in dims for shape in shapes for causal in (False, True)]
@@ -38,6 +42,27 @@ def main():
         torch.cuda.synchronize()
         print(f"d={d} {batch}x{seqlen_q}x{seqlen_k} causal={causal}: "
               f"finite={bool(torch.isfinite(q.grad).all())}", flush=True)
+
+def varlen(arch, dims):
+    torch.manual_seed(0)
+    lengths_q, lengths_k = (1, 77, 0, 300), (50, 1, 9, 260)
+    for d in dims:
+        for cu_q, cu_k in (((0, 1, 78, 78, 378), (0, 50, 51, 60, 320)),
+                           ((0, 200, 100, 5000, 378), (-3, 50, 10, 320, 9999))):
+            q = torch.randn(sum(lengths_q), 4, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            k = torch.randn(sum(lengths_k), 2, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            v = torch.randn_like(k, requires_grad=True)
+            cq = torch.tensor(cu_q, dtype=torch.int32, device="cuda")
+            ck = torch.tensor(cu_k, dtype=torch.int32, device="cuda")
+            for causal in (False, True):
+                with cutlass_flash.force_arch(arch):
+                    out = cutlass_flash.flash_attn_varlen_func(q, k, v, cq, ck, max(lengths_q), max(lengths_k),
+                                                               causal=causal)
+                    out.backward(torch.randn_like(out))
+                torch.cuda.synchronize()
+                print(f"varlen d={d} cu_q={cu_q} causal={causal}: finite={bool(torch.isfinite(q.grad).all())}",
+                      flush=True)
+
 
 if __name__ == "__main__":
     main()

@@ -56,7 +56,8 @@ TensorRef4 tensor(const Tensor& t) {
 
 AttnProblem problem(int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_kv, int head_dim,
                     float softmax_scale, int window_left, int window_right, float softcap,
-                    const std::string& dtype) {
+                    const std::string& dtype, uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, int total_q,
+                    int total_k) {
   AttnProblem p;
   p.batch = batch;
   p.seqlen_q = seqlen_q;
@@ -69,6 +70,10 @@ AttnProblem problem(int batch, int seqlen_q, int seqlen_k, int nheads, int nhead
   p.window_right = window_right;
   p.softcap = softcap;
   p.dtype = parse_dtype(dtype);
+  p.cu_seqlens_q = reinterpret_cast<const int*>(cu_seqlens_q);
+  p.cu_seqlens_k = reinterpret_cast<const int*>(cu_seqlens_k);
+  p.total_q = total_q;
+  p.total_k = total_k;
   return p;
 }
 
@@ -100,12 +105,12 @@ void run_without_gil(F&& call) {
 
 void fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, uintptr_t lse,
          uintptr_t workspace, int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_kv, int head_dim,
-         float softmax_scale, int window_left, int window_right, float softcap, const std::string& dtype, int arch,
-         uintptr_t stream) {
+         float softmax_scale, int window_left, int window_right, float softcap, const std::string& dtype,
+         uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, int total_q, int total_k, int arch, uintptr_t stream) {
   FwdParams params;
   set_common(params, q, k, v, o, workspace,
              problem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, softmax_scale,
-                     window_left, window_right, softcap, dtype));
+                     window_left, window_right, softcap, dtype, cu_seqlens_q, cu_seqlens_k, total_q, total_k));
   params.lse = reinterpret_cast<float*>(lse);
   run_without_gil([&] { return run_fwd(params, arch, as_stream(stream)); });
 }
@@ -113,12 +118,13 @@ void fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, uin
 void bwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& dout,
          uintptr_t lse, const Tensor& dq, const Tensor& dk, const Tensor& dv, uintptr_t workspace,
          int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_kv, int head_dim,
-         float softmax_scale, int window_left, int window_right, float softcap, const std::string& dtype, int arch,
-         bool deterministic, uintptr_t stream) {
+         float softmax_scale, int window_left, int window_right, float softcap, const std::string& dtype,
+         uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, int total_q, int total_k, int arch, bool deterministic,
+         uintptr_t stream) {
   BwdParams params;
   set_common(params, q, k, v, o, workspace,
              problem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, softmax_scale,
-                     window_left, window_right, softcap, dtype));
+                     window_left, window_right, softcap, dtype, cu_seqlens_q, cu_seqlens_k, total_q, total_k));
   params.dout = tensor(dout);
   params.lse = reinterpret_cast<const float*>(lse);
   params.dq = tensor(dq);
@@ -132,19 +138,21 @@ void bwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, con
 template <Direction kDir>
 size_t workspace_bytes(int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_kv,
                        int head_dim, float softmax_scale, int window_left, int window_right,
-                       float softcap, const std::string& dtype, int arch, bool deterministic) {
-  const AttnProblem p = problem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim,
-                                softmax_scale, window_left, window_right, softcap, dtype);
+                       float softcap, const std::string& dtype, uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k,
+                       int total_q, int total_k, int arch, bool deterministic) {
+  const AttnProblem p = problem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, softmax_scale, window_left,
+                                window_right, softcap, dtype, cu_seqlens_q, cu_seqlens_k, total_q, total_k);
   check(dispatch::check_problem(p, arch, kDir));
   return kDir == Direction::kForward ? fwd_workspace_bytes(p, arch) : bwd_workspace_bytes(p, arch, deterministic);
 }
 
 size_t fwd_workspace_bytes_py(int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_kv, int head_dim,
                               float softmax_scale, int window_left, int window_right, float softcap,
-                              const std::string& dtype, int arch) {
+                              const std::string& dtype, uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k,
+                              int total_q, int total_k, int arch) {
   return workspace_bytes<Direction::kForward>(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim,
-                                              softmax_scale, window_left, window_right, softcap, dtype, arch,
-                                              false);
+                                              softmax_scale, window_left, window_right, softcap, dtype,
+                                              cu_seqlens_q, cu_seqlens_k, total_q, total_k, arch, false);
 }
 
 py::list built() {
@@ -171,13 +179,18 @@ PYBIND11_MODULE(_C, m) {
 #define CUTLASS_FLASH_PROBLEM_ARGS                                                            \
   py::arg("batch"), py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("nheads"),              \
       py::arg("nheads_kv"), py::arg("head_dim"), py::arg("softmax_scale"),                    \
-      py::arg("window_left"), py::arg("window_right"), py::arg("softcap"), py::arg("dtype")
+      py::arg("window_left"), py::arg("window_right"), py::arg("softcap"), py::arg("dtype"),     \
+      py::arg("cu_seqlens_q") = 0, py::arg("cu_seqlens_k") = 0, py::arg("total_q") = 0,          \
+      py::arg("total_k") = 0
 
   m.def("fwd", &fwd, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"), py::arg("lse_ptr"),
         py::arg("workspace_ptr"), py::kw_only(), CUTLASS_FLASH_PROBLEM_ARGS, py::arg("arch"),
         py::arg("stream"),
         "Forward pass. q/k/v/o: (ptr, batch_stride, row_stride, head_stride) in elements, the "
         "last dim contiguous; lse_ptr: float32 (batch, nheads, seqlen_q), contiguous; "
+        "cu_seqlens_q/_k (int32 device pointers, both or 0) make a variable-length batch of packed "
+        "(total_q / total_k rows) tensors, seqlen_q/_k then the longest lengths and the LSE "
+        "(nheads, total_q); "
         "workspace_ptr: fwd_workspace_bytes(...) bytes, aligned to _catalog.FWD_WORKSPACE_ALIGN (0 when that is 0); "
         "dtype: 'fp16' | 'bf16'; arch: kernel family (80, 90); stream: cudaStream_t as an int. "
         "Asynchronous.");

@@ -71,6 +71,8 @@ class Family:
     # Scratch memory of one forward call (FwdParams::workspace), from the host API's
     # fwd_workspace_bytes and the tests' fake binding alike.
     fwd_workspace_bytes: int = 0
+    # Kernels that take variable-length batches (AttnProblem::cu_seqlens_q / _k).
+    varlen: bool = False
 
     def head_dims_for(self, direction: str) -> Tuple[int, ...]:
         if direction == "bwd" and self.bwd_head_dims is not None:
@@ -94,7 +96,8 @@ FAMILIES: Tuple[Family, ...] = (
     # default it is also compiled natively for sm_90.
     Family(arch=80, directions=("fwd", "bwd"), head_dims=HEAD_DIMS,
            sass_default=("80", "90"),
-           sass_allowed=tuple(s for s in KNOWN_SASS if s != "90a")),
+           sass_allowed=tuple(s for s in KNOWN_SASS if s != "90a"),
+           varlen=True),
     # Hopper (FlashAttention-3-style: TMA, wgmma, warp specialization). wgmma and setmaxnreg
     # exist only in the arch-specific sm_90a target.
     # CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED: wgmma atoms with N = 80, 112, ... (else CuTe splits
@@ -107,7 +110,9 @@ FAMILIES: Tuple[Family, ...] = (
            defines=("CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",),
            # The persistent forward's tile counter (one int, sm90/tile_scheduler.h) in one
            # FWD_WORKSPACE_ALIGN unit.
-           fwd_workspace_bytes=16),
+           fwd_workspace_bytes=16,
+           # Not yet: its TMA tensors and O store are per (batch, head) rectangles.
+           varlen=False),
 )
 FAMILY_BY_ARCH: Dict[int, Family] = {f.arch: f for f in FAMILIES}
 
@@ -165,11 +170,19 @@ BWD_WORKSPACE_ARRAYS: Tuple[Tuple[str, str, Tuple[object, int], bool, bool], ...
 _CXX_SIZEOF = {"float": 4, "int": 4}
 
 
+def _round_rows(n: int) -> int:
+    return -(-n // BWD_ROW_ALIGN) * BWD_ROW_ALIGN
+
+
 def bwd_workspace_bytes(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, head_dim: int,
-                        deterministic: bool) -> int:
-    """Bytes of backward scratch (the same arithmetic as the generated C++ layout)."""
-    rows = batch * nheads * (-(-seqlen_q // BWD_ROW_ALIGN) * BWD_ROW_ALIGN)
-    groups = bwd_dq_groups(seqlen_k, head_dim, deterministic)
+                        deterministic: bool, total_q: Optional[int] = None) -> int:
+    """Bytes of backward scratch (the same arithmetic as the generated C++ layout); total_q:
+    the packed rows of a variable-length batch (seqlen_q, seqlen_k then the longest lengths)."""
+    if total_q is None:
+        rows = batch * nheads * _round_rows(seqlen_q)
+    else:
+        rows = nheads * (_round_rows(total_q) + batch * BWD_ROW_ALIGN)
+    groups = 1 if total_q is not None else bwd_dq_groups(seqlen_k, head_dim, deterministic)
     total = 0
     for _, ctype, per_row, det_only, grouped in BWD_WORKSPACE_ARRAYS:
         mul, div = per_row
@@ -218,29 +231,41 @@ constexpr int kBwdDqGroupsMaxHeadDim = {BWD_DQ_GROUPS_MAX_HEAD_DIM};
 constexpr size_t kFwdWorkspaceAlign = {FWD_WORKSPACE_ALIGN};
 
 struct BwdWorkspace {{
-  int64_t seqlen_q_rounded;  // rows per (batch, head) in every array
-  int64_t rows;              // rows of one copy: batch * nheads * seqlen_q_rounded
+  int64_t seqlen_q_rounded;  // seqlen_q (the longest sequence's) rounded up: query rows per grid
+  // Rows per (batch, head) when dense (seqlen_q_rounded); when variable-length, rows per head:
+  // total_q rounded up, plus kBwdRowAlign per sequence (SeqInfo::workspace_row).
+  int64_t rows_per_head;
+  int64_t rows;              // rows of one copy
   int dq_groups;             // copies of dq_accum and dq_semaphore: bwd_dq_groups
 {fields}  size_t total_bytes;
 
   // Row offset of key block n_block's dQ copy (its group's) in dq_accum and dq_semaphore, added
-  // to a BlockInfo::workspace_row; 0 unless deterministic.
+  // to a SeqInfo::workspace_row; 0 unless deterministic.
   CUTLASS_FLASH_HOST_DEVICE int64_t dq_group_row(int n_block) const {{ return (n_block % dq_groups) * rows; }}
 }};
 
 CUTLASS_FLASH_HOST_DEVICE inline size_t align_up(size_t x, size_t a) {{ return (x + a - 1) / a * a; }}
 
 // kBwdDqGroups copies where key blocks are many enough for the shorter chains to pay (see
-// csrc/generate.py), else 1.
+// csrc/generate.py), else 1. Variable-length batches take 1: a rule on the longest sequence would
+// give one sequence other bits alone than inside a batch.
 CUTLASS_FLASH_HOST_DEVICE inline int bwd_dq_groups(const AttnProblem& p, bool deterministic) {{
-  return deterministic && p.seqlen_k >= kBwdDqGroupsMinSeqlenK && p.head_dim <= kBwdDqGroupsMaxHeadDim
+  return deterministic && !p.is_varlen() && p.seqlen_k >= kBwdDqGroupsMinSeqlenK &&
+                 p.head_dim <= kBwdDqGroupsMaxHeadDim
              ? kBwdDqGroups : 1;
 }}
 
 CUTLASS_FLASH_HOST_DEVICE inline BwdWorkspace bwd_workspace_layout(const AttnProblem& p, bool deterministic) {{
   BwdWorkspace w{{}};
   w.seqlen_q_rounded = (int64_t(p.seqlen_q) + kBwdRowAlign - 1) / kBwdRowAlign * kBwdRowAlign;
-  w.rows = int64_t(p.batch) * p.nheads * w.seqlen_q_rounded;
+  if (p.is_varlen()) {{
+    w.rows_per_head = (int64_t(p.total_q) + kBwdRowAlign - 1) / kBwdRowAlign * kBwdRowAlign +
+                      int64_t(p.batch) * kBwdRowAlign;
+    w.rows = int64_t(p.nheads) * w.rows_per_head;
+  }} else {{
+    w.rows_per_head = w.seqlen_q_rounded;
+    w.rows = int64_t(p.batch) * p.nheads * w.rows_per_head;
+  }}
   w.dq_groups = bwd_dq_groups(p, deterministic);
   const size_t rows = size_t(w.rows);
   size_t off = 0;
@@ -282,6 +307,9 @@ FWD_WORKSPACE_BYTES = {{{', '.join(f"{f.arch}: {f.fwd_workspace_bytes}" for f in
 
 #: alignment in bytes of that scratch memory.
 FWD_WORKSPACE_ALIGN = {FWD_WORKSPACE_ALIGN}
+
+#: families whose kernels take variable-length batches (cu_seqlens).
+VARLEN_ARCHS = {tuple(f.arch for f in FAMILIES if f.varlen)!r}
 """
 
 
@@ -622,7 +650,8 @@ def dispatch_table_source(insts: Sequence[Instantiation], knobs: Knobs) -> str:
     for f in FAMILIES:
         lines.append(f"    {{{f.arch}, {'true' if 'fwd' in f.directions else 'false'}, "
                      f"{'true' if 'bwd' in f.directions else 'false'}, kFamilyHeadDims{f.arch}, "
-                     f"{len(f.head_dims)}, {_cxx_str(f.sass_knob)}, {f.fwd_workspace_bytes}}},")
+                     f"{len(f.head_dims)}, {_cxx_str(f.sass_knob)}, {f.fwd_workspace_bytes}, "
+                     f"{'true' if f.varlen else 'false'}}},")
     lines += ["};", ""]
     lines.append(f"const int kArchs[] = {{{', '.join(map(str, knobs.archs))}}};")
     lines.append(f"const int kHeadDims[] = {{{', '.join(map(str, knobs.head_dims))}}};")

@@ -24,7 +24,7 @@ from ._dispatch import (
     forced_arch,
     padded_head_dim,
 )
-from ._ops import flash_attn_func
+from ._ops import flash_attn_func, flash_attn_varlen_func
 
 
 def _version():
@@ -72,6 +72,7 @@ __all__ = [
     "built_kernels",
     "extension_error",
     "flash_attn_func",
+    "flash_attn_varlen_func",
     "force_arch",
     "forced_arch",
     "padded_head_dim",

@@ -19,7 +19,7 @@ except ImportError as _e:  # pragma: no cover - depends on the build
 
 ENV_FORCE_ARCH = "CUTLASS_FLASH_FORCE_ARCH"
 
-from ._catalog import FAMILIES, HEAD_DIMS
+from ._catalog import FAMILIES, HEAD_DIMS, VARLEN_ARCHS
 
 #: Kernel families: 80 = Ampere-style (FlashAttention-2, mma.sync; runs on sm80 and newer),
 #: 90 = Hopper (wgmma/TMA; runs on sm90 only). From the generator's catalogue (_catalog.py).
@@ -217,21 +217,27 @@ def _not_built(arch, direction, head_dim, dtype_name, requested):
 
 
 @functools.lru_cache(maxsize=None)
-def resolve_arch(requested, direction, head_dim, dtype_name, device):
+def resolve_arch(requested, direction, head_dim, dtype_name, device, varlen=False):
     """The kernel family to run: ``requested`` (80 or 90) or, for 0, auto.
 
     Auto is 90 on an sm90 GPU when this build has the sm90 kernel for (direction, head_dim,
-    dtype), else 80. A family with no kernel of ``direction`` for ``head_dim`` (the sm90 backward
-    at d = 192/256) is replaced by FALLBACK_ARCH, forced or not. Raises ValueError (not a CUDA device / bad request), RuntimeError (GPU too
-    old, or sm90 kernels forced on a GPU that is not sm90), NotImplementedError (not built).
-    ``head_dim`` is the instantiated (padded) head dim.
+    dtype) and, for a variable-length batch, the sm90 family takes one (VARLEN_ARCHS), else 80.
+    A family with no kernel of ``direction`` for ``head_dim`` is replaced by FALLBACK_ARCH, forced
+    or not. Raises ValueError (not a CUDA device / bad request), RuntimeError (GPU too old, or
+    sm90 kernels forced on a GPU that is not sm90), NotImplementedError (not built, or a forced
+    family without variable-length kernels). ``head_dim`` is the instantiated (padded) head dim.
     """
     cap = check_capability(device)
     built = built_kernel_set()
     if requested in FAMILIES and head_dim not in FAMILIES[requested].get(direction, ()):
         requested = FALLBACK_ARCH
+    if varlen and requested in FAMILIES and requested not in VARLEN_ARCHS:
+        raise NotImplementedError(
+            f"cutlass_flash: the sm{requested} kernel family (forced) has no variable-length "
+            f"kernels yet; the sm{' / sm'.join(map(str, VARLEN_ARCHS))} family has (auto picks it)"
+        )
     if requested == 0:
-        if cap[0] == 9 and (90, direction, head_dim, dtype_name) in built:
+        if cap[0] == 9 and (90, direction, head_dim, dtype_name) in built and (not varlen or 90 in VARLEN_ARCHS):
             return 90
         arch = 80
     elif requested in ARCHS:

@@ -35,9 +35,10 @@ def _ref4(t):
     return (t.data_ptr(), s[0], s[1], s[2])
 
 
-def _problem(q, k, head_dim, softmax_scale, window_left, window_right, dtype_name, softcap=0.0):
+def _problem(q, k, head_dim, softmax_scale, window_left, window_right, dtype_name, softcap=0.0,
+             varlen=None):
     batch, seqlen_q, nheads, _ = q.shape
-    return dict(
+    problem = dict(
         batch=batch,
         seqlen_q=seqlen_q,
         seqlen_k=k.shape[1],
@@ -50,26 +51,50 @@ def _problem(q, k, head_dim, softmax_scale, window_left, window_right, dtype_nam
         softcap=softcap,
         dtype=dtype_name,
     )
+    if varlen is not None:  # q, k: (1, total, nheads, head_dim) views of the packed tensors
+        cu_q, cu_k, max_q, max_k = varlen
+        problem.update(batch=cu_q.shape[0] - 1, seqlen_q=max_q, seqlen_k=max_k,
+                       cu_seqlens_q=cu_q.data_ptr(), cu_seqlens_k=cu_k.data_ptr(),
+                       total_q=seqlen_q, total_k=k.shape[1])
+    return problem
+
+
+def _lse_shape(q, varlen):
+    """FlashAttention-2's LSE layouts: (batch, nheads, seqlen_q), or (nheads, total_q) for a
+    variable-length batch (q then the (1, total_q, nheads, head_dim) view)."""
+    batch, seqlen_q, nheads, _ = q.shape
+    return (nheads, seqlen_q) if varlen is not None else (batch, nheads, seqlen_q)
+
+
+def _no_work(varlen):
+    """A variable-length batch whose longest sequence of queries or keys is empty: no kernel
+    runs (out = 0, lse = +inf, zero gradients, as for rows that see no key)."""
+    return varlen is not None and (varlen[2] == 0 or varlen[3] == 0)
 
 
 def _pad(t, pad):
     return F.pad(t, (0, pad)) if pad else t
 
 
-def _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, deterministic=False, softcap=0.0):
+def _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, deterministic=False, softcap=0.0,
+              varlen=None):
+    """The forward; varlen: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) with q, k, v
+    the (1, total, nheads, head_dim) views of packed tensors."""
     _validate.check_op_tensors(q, k, v)
     batch, seqlen_q, nheads, head_dim = q.shape
+    if _no_work(varlen):
+        return torch.zeros_like(q), q.new_full(_lse_shape(q, varlen), float("inf"), dtype=torch.float32)
     padded = _dispatch.padded_head_dim(head_dim)
     dtype_name = _dispatch.DTYPE_NAMES[q.dtype]
     device = q.device
-    arch = _dispatch.resolve_arch(arch, "fwd", padded, dtype_name, device)
+    arch = _dispatch.resolve_arch(arch, "fwd", padded, dtype_name, device, varlen is not None)
     C = _dispatch.lib()
 
     pad = padded - head_dim
     q, k, v = _pad(q, pad), _pad(k, pad), _pad(v, pad)
     out = torch.empty((batch, seqlen_q, nheads, padded), dtype=q.dtype, device=device)
-    lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=device)
-    problem = _problem(q, k, padded, softmax_scale, window_left, window_right, dtype_name, softcap)
+    lse = torch.empty(_lse_shape(q, varlen), dtype=torch.float32, device=device)
+    problem = _problem(q, k, padded, softmax_scale, window_left, window_right, dtype_name, softcap, varlen)
     workspace_bytes = C.fwd_workspace_bytes(**problem, arch=arch)
     workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device) if workspace_bytes else None
     _dispatch.launch(
@@ -114,10 +139,10 @@ def _fwd_fake(q, k, v, softmax_scale, window_left, window_right, arch, determini
 
 
 def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch,
-              deterministic, dq=None, dk=None, dv=None, softcap=0.0):
+              deterministic, dq=None, dk=None, dv=None, softcap=0.0, varlen=None):
     """The backward; dq / dk / dv: buffers to write the gradients into (else new tensors). A
     buffer the kernels cannot write in place (a padded head dim, a layout they do not take) is
-    filled by a copy."""
+    filled by a copy. varlen: as for _fwd_impl."""
     # dout comes from autograd in any layout (e.g. expanded, with stride 0): copy if needed.
     if not _validate.is_kernel_layout(dout):
         dout = dout.clone(memory_format=torch.contiguous_format)
@@ -126,22 +151,28 @@ def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
     _validate.check_op_tensors(q, k, v, ("out", out, q.shape), ("dout", dout, q.shape))
     batch, seqlen_q, nheads, head_dim = q.shape
     _, seqlen_k, nheads_kv, _ = k.shape
-    if lse.shape != (batch, nheads, seqlen_q) or lse.dtype != torch.float32:
+    if lse.shape != _lse_shape(q, varlen) or lse.dtype != torch.float32:
         raise ValueError(
-            f"lse must be float32 of shape {(batch, nheads, seqlen_q)}, got {lse.dtype} "
+            f"lse must be float32 of shape {_lse_shape(q, varlen)}, got {lse.dtype} "
             f"{tuple(lse.shape)}"
         )
+    dests = (dq, dk, dv)
+    if _no_work(varlen):
+        grads = (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))
+        for grad, dest in zip(grads, dests):
+            if dest is not None:
+                dest.zero_()
+        return tuple(grad if dest is None else dest for grad, dest in zip(grads, dests))
     padded = _dispatch.padded_head_dim(head_dim)
     dtype_name = _dispatch.DTYPE_NAMES[q.dtype]
     device = q.device
-    arch = _dispatch.resolve_arch(arch, "bwd", padded, dtype_name, device)
+    arch = _dispatch.resolve_arch(arch, "bwd", padded, dtype_name, device, varlen is not None)
     C = _dispatch.lib()
 
     pad = padded - head_dim
     q, k, v, out, dout = (_pad(t, pad) for t in (q, k, v, out, dout))
     lse = lse.contiguous()
-    problem = _problem(q, k, padded, softmax_scale, window_left, window_right, dtype_name, softcap)
-    dests = (dq, dk, dv)
+    problem = _problem(q, k, padded, softmax_scale, window_left, window_right, dtype_name, softcap, varlen)
 
     def target(dest, shape):
         if dest is not None and not pad and _validate.is_kernel_layout(dest):
@@ -316,6 +347,174 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         out, lse = _EagerAttention.apply(*args)
     else:
         out, lse = _fwd_impl(*args)
+    if return_lse:
+        return out, lse
+    return out
+
+
+# -- Variable-length batches ------------------------------------------------------------------
+# The same implementations on (1, total, nheads, head_dim) views of the packed tensors; the ops
+# take and return the packed (total, nheads, head_dim) tensors and an LSE (nheads, total_q).
+
+
+@torch.library.custom_op("cutlass_flash::varlen_fwd", mutates_args=())
+def varlen_fwd_op(
+    q: _Tensor,
+    k: _Tensor,
+    v: _Tensor,
+    cu_seqlens_q: _Tensor,
+    cu_seqlens_k: _Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    arch: int,
+    deterministic: bool,
+    softcap: float = 0.0,
+) -> tuple[_Tensor, _Tensor]:
+    return _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            softmax_scale, window_left, window_right, arch, softcap=softcap)
+
+
+@varlen_fwd_op.register_fake
+def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                     window_left, window_right, arch, deterministic, softcap=0.0):
+    total_q, nheads, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((nheads, total_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("cutlass_flash::varlen_bwd", mutates_args=())
+def varlen_bwd_op(
+    dout: _Tensor,
+    q: _Tensor,
+    k: _Tensor,
+    v: _Tensor,
+    out: _Tensor,
+    lse: _Tensor,
+    cu_seqlens_q: _Tensor,
+    cu_seqlens_k: _Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    arch: int,
+    deterministic: bool,
+    softcap: float = 0.0,
+) -> tuple[_Tensor, _Tensor, _Tensor]:
+    return _varlen_bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                            max_seqlen_k, softmax_scale, window_left, window_right, arch,
+                            deterministic, softcap=softcap)
+
+
+def _varlen_bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     softmax_scale, window_left, window_right, arch, deterministic, dq=None, dk=None,
+                     dv=None, softcap=0.0):
+    def view(t):
+        return None if t is None else t.unsqueeze(0)
+
+    grads = _bwd_impl(view(dout), view(q), view(k), view(v), view(out), lse, softmax_scale,
+                      window_left, window_right, arch, deterministic, view(dq), view(dk), view(dv),
+                      softcap=softcap, varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    return tuple(g.squeeze(0) if d is None else d for g, d in zip(grads, (dq, dk, dv)))
+
+
+@varlen_bwd_op.register_fake
+def _varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     softmax_scale, window_left, window_right, arch, deterministic, softcap=0.0):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+_VARLEN_KEYS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale",
+                "window_left", "window_right", "arch", "deterministic", "softcap")
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, *rest = inputs
+    out, lse = output
+    ctx.num_inputs = len(inputs)
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    ctx.scalars = tuple(rest) + (0.0,) * (len(_VARLEN_KEYS) - 2 - len(rest))
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)
+
+
+def _varlen_backward_with(bwd):
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        max_q, max_k, scale, wl, wr, arch, deterministic, softcap = ctx.scalars
+        dq, dk, dv = bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, wl, wr, arch,
+                         deterministic, softcap=softcap)
+        return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
+
+    return backward
+
+
+_varlen_fwd = torch.ops.cutlass_flash.varlen_fwd.default
+_varlen_bwd = torch.ops.cutlass_flash.varlen_bwd.default
+varlen_fwd_op.register_autograd(_varlen_backward_with(_varlen_bwd), setup_context=_varlen_setup_context)
+
+
+class _EagerVarlenAttention(torch.autograd.Function):
+    """_EagerAttention's twin for variable-length batches."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, arch,
+                deterministic, softcap):
+        inputs = (q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, arch,
+                  deterministic, softcap)
+        out, lse = _varlen_fwd_impl(*inputs)
+        _varlen_setup_context(ctx, inputs, (out, lse))
+        return out, lse
+
+    backward = staticmethod(_varlen_backward_with(_varlen_bwd_impl))
+
+
+def _varlen_fwd_impl(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, arch,
+                     deterministic=False, softcap=0.0):
+    out, lse = _fwd_impl(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), softmax_scale, window_left,
+                         window_right, arch, softcap=softcap, varlen=(cu_q, cu_k, max_q, max_k))
+    return out.squeeze(0), lse
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           softcap=0.0, alibi_slopes=None, deterministic=False, return_lse=False):
+    """flash_attn_func on a packed batch of sequences of different lengths (FlashAttention-2's
+    flash_attn_varlen_func, same arguments in its order, return_lse in place of
+    return_attn_probs).
+
+    Args:
+        q: (total_q, nheads, head_dim), the batch's queries one sequence after the other.
+        k, v: (total_k, nheads_kv, head_dim).
+        cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) on q's device: sequence b owns rows
+            [cu_seqlens[b], cu_seqlens[b + 1]) (cu_seqlens[0] = 0; empty sequences allowed).
+        max_seqlen_q, max_seqlen_k: int, the longest sequence's length (sizes the grid).
+        The rest: as flash_attn_func; causal masks and windows are aligned per sequence, to its
+        bottom-right corner.
+
+    Returns:
+        out (total_q, nheads, head_dim), or (out, lse) with lse float32 (nheads, total_q).
+
+    cu_seqlens content is not checked by default (that needs a synchronisation): bad content gives
+    wrong numbers but no access outside the tensors; CUTLASS_FLASH_CHECK_CU_SEQLENS=1 checks it
+    on every call and raises ValueError. Variable-length batches run on the sm80 kernel family
+    (the sm90 family has no variable-length kernels yet).
+    """
+    scale, window_left, window_right = _validate.check_varlen_call(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+        causal, window_size, softcap, alibi_slopes, deterministic)
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
+            window_right, _dispatch._forced_arch, deterministic, float(softcap))
+    if not _plain_eager(q, k, v):
+        out, lse = _varlen_fwd(*args)
+    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        out, lse = _EagerVarlenAttention.apply(*args)
+    else:
+        out, lse = _varlen_fwd_impl(*args)
     if return_lse:
         return out, lse
     return out

@@ -8,6 +8,7 @@ layout checks need no GPU: tests run them on CPU or meta tensors.
 """
 
 import math
+import os
 
 import torch
 
@@ -256,6 +257,92 @@ def check_call(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
     check_not_yet_supported(dropout_p, softcap, alibi_slopes)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    return scale, window_left, window_right
+
+
+#: Set to 1 to check the content of cu_seqlens on every variable-length call (a device-to-host
+#: copy and a synchronisation): starts at 0, never decreasing, within the tensors, and each length
+#: at most max_seqlen. Without it, bad content gives wrong numbers but never an access outside
+#: the tensors (the kernels clamp every sequence to them).
+CHECK_CU_SEQLENS_ENV = "CUTLASS_FLASH_CHECK_CU_SEQLENS"
+
+
+def _check_cu_seqlens(name, cu, batch, device):
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be an int32 tensor (batch + 1,), got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32 (FlashAttention's layout), got {cu.dtype}")
+    if cu.dim() != 1 or cu.shape[0] < 2:
+        raise ValueError(
+            f"{name} must be 1-D with batch + 1 >= 2 entries (cumulative sequence lengths from "
+            f"0), got shape {tuple(cu.shape)}"
+        )
+    if batch is not None and cu.shape[0] != batch + 1:
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
+            f"{batch + 1} and {cu.shape[0]}"
+        )
+    if cu.device != device:
+        raise ValueError(f"{name} must be on q's device {device}, got {cu.device}")
+    if cu.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous; pass {name}.contiguous()")
+
+
+def _check_max_seqlen(name, value):
+    if not _is_int(value):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def check_cu_seqlens_content(name, cu, total, max_seqlen):
+    """The debug check (CHECK_CU_SEQLENS_ENV): ValueError naming the first bad entry."""
+    values = cu.tolist()
+    if values[0] != 0:
+        raise ValueError(f"{name}[0] must be 0, got {values[0]}")
+    for i in range(1, len(values)):
+        n = values[i] - values[i - 1]
+        if n < 0:
+            raise ValueError(f"{name} must not decrease: {name}[{i}] = {values[i]} < "
+                             f"{name}[{i - 1}] = {values[i - 1]}")
+        if n > max_seqlen:
+            raise ValueError(f"sequence {i - 1} has {n} rows by {name}, more than its max_seqlen "
+                             f"{max_seqlen}")
+    if values[-1] > total:
+        raise ValueError(f"{name}[-1] = {values[-1]} is past the tensor's {total} rows")
+
+
+def check_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                      softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic):
+    """The checks of flash_attn_varlen_func: q (total_q, nheads, head_dim), k and v (total_k,
+    nheads_kv, head_dim), cu_seqlens int32 (batch + 1,). Returns (softmax_scale, window_left,
+    window_right) as the kernels take them; the content of cu_seqlens is checked only under
+    CHECK_CU_SEQLENS_ENV (it would need a synchronisation)."""
+    for name, t in zip(_NAMES, (q, k, v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(
+                f"{name} must be 3-D (total_tokens, nheads, head_dim) for flash_attn_varlen_func, "
+                f"got {t.dim()}-D tensor of shape {tuple(t.shape)}"
+            )
+    for name, t in (("q", q), ("k", k)):
+        if t.shape[0] < 1:
+            raise ValueError(f"{name} must have at least one row (total_tokens >= 1), got shape "
+                             f"{tuple(t.shape)}")
+    check_inputs(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))
+    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None, q.device)
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, cu_seqlens_q.shape[0] - 1, q.device)
+    _check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    _check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    scale = check_softmax_scale(softmax_scale, q.shape[2])
+    window_left, window_right = check_mask(causal, window_size, max(max_seqlen_k, 1))
+    check_not_yet_supported(dropout_p, softcap, alibi_slopes)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    if os.environ.get(CHECK_CU_SEQLENS_ENV, "0") not in ("", "0"):
+        check_cu_seqlens_content("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
+        check_cu_seqlens_content("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
     return scale, window_left, window_right
 
 

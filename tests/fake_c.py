@@ -32,7 +32,7 @@ def _generator():
         spec.loader.exec_module(mod)
     return sys.modules[name]
 from cutlass_flash._catalog import DTYPES as DTYPE_NAMES, FAMILIES, FWD_WORKSPACE_ALIGN, FWD_WORKSPACE_BYTES
-from cutlass_flash._catalog import HEAD_DIMS as INSTANTIATED
+from cutlass_flash._catalog import HEAD_DIMS as INSTANTIATED, VARLEN_ARCHS
 
 
 def all_kernels(archs=tuple(FAMILIES), head_dims=INSTANTIATED, dtypes=DTYPE_NAMES):
@@ -85,7 +85,8 @@ class FakeC:
         p = self._problem("bwd", kw, check_built=False)
         assert isinstance(deterministic, bool)
         return _generator().bwd_workspace_bytes(
-            p["batch"], p["nheads"], p["seqlen_q"], p["seqlen_k"], p["head_dim"], deterministic
+            p["batch"], p["nheads"], p["seqlen_q"], p["seqlen_k"], p["head_dim"], deterministic,
+            total_q=p["total_q"] if p["cu_seqlens_q"] else None,
         )
 
     def fwd_workspace_bytes(self, **kw):
@@ -99,14 +100,18 @@ class FakeC:
         dtype = DTYPES[p["dtype"]]
         Q, K, V, Out = self._tensors(p, dtype, q=q, k=k, v=v, o=o)
         assert lse_ptr % 16 == 0
-        lse = _raw(lse_ptr, (p["batch"], p["nheads"], p["seqlen_q"]),
-                   (p["nheads"] * p["seqlen_q"], p["seqlen_q"], 1), torch.float32, self.device)
-        out, lse_ref = attention_ref(
-            Q.double(), K.double(), V.double(), softmax_scale=p["softmax_scale"],
-            window=(p["window_left"], p["window_right"]), softcap=p["softcap"],
-        )
-        Out.copy_(out)
-        lse.copy_(lse_ref)
+        lse = self._lse(p, lse_ptr)
+        for sq, sk, lse_b in self._sequences(p, lse):
+            if K[sk].shape[1] == 0:  # a sequence without keys: its rows see none
+                Out[sq].zero_()
+                lse_b.fill_(float("inf"))
+                continue
+            out, lse_ref = attention_ref(
+                Q[sq].double(), K[sk].double(), V[sk].double(), softmax_scale=p["softmax_scale"],
+                window=(p["window_left"], p["window_right"]), softcap=p["softcap"],
+            )
+            Out[sq].copy_(out)
+            lse_b.copy_(lse_ref)
 
     def bwd(self, q, k, v, o, dout, lse_ptr, dq, dk, dv, workspace_ptr, deterministic, **kw):
         p = self._problem("bwd", kw)
@@ -116,13 +121,27 @@ class FakeC:
             p, dtype, q=q, k=k, v=v, o=o, dout=dout, dq=dq, dk=dk, dv=dv
         )
         assert lse_ptr % 16 == 0
-        lse = _raw(lse_ptr, (p["batch"], p["nheads"], p["seqlen_q"]),
-                   (p["nheads"] * p["seqlen_q"], p["seqlen_q"], 1), torch.float32, self.device)
+        lse = self._lse(p, lse_ptr)
         # The CUDA caching allocator gives 512-byte alignment; the CPU allocator 64 bytes.
         assert workspace_ptr % 64 == 0 and workspace_ptr != 0, "workspace must be aligned"
+        for sq, sk, lse_b in self._sequences(p, lse):
+            if K[sk].shape[1] == 0 or Q[sq].shape[1] == 0:  # nothing attends: zero gradients
+                dQ[sq].zero_()
+                dK[sk].zero_()
+                dV[sk].zero_()
+                continue
+            gq, gk, gv = self._grads(p, Q[sq], K[sk], V[sk], O[sq], dO[sq], lse_b)
+            dQ[sq].copy_(gq)
+            dK[sk].copy_(gk)
+            dV[sk].copy_(gv)
+
+    @staticmethod
+    def _grads(p, Q, K, V, O, dO, lse):
+        """Gradients of one (batch, seqlen, heads, d) problem, by hand (the op runs below
+        autograd)."""
         group = p["nheads"] // p["nheads_kv"]
         # dK/dV per kv head: the gradients with respect to K and V expanded to nheads, then summed
-        # over each group, written out by hand (the op runs below autograd, so no autograd here).
+        # over each group.
         scale = p["softmax_scale"]
         q64 = Q.double()
         k64 = K.double().repeat_interleave(group, dim=2)
@@ -138,7 +157,7 @@ class FakeC:
             t = torch.tanh(scores / cap)
             scores = cap * t
         if window[0] >= 0 or window[1] >= 0:
-            allowed = window_mask(p["seqlen_q"], p["seqlen_k"], window[0], window[1], q64.device)
+            allowed = window_mask(Q.shape[1], K.shape[1], window[0], window[1], q64.device)
             scores = scores.masked_fill(~allowed, float("-inf"))
         probs = torch.exp(scores - lse.double().unsqueeze(-1))
         probs = probs.nan_to_num(nan=0.0)  # -inf - (+inf) rows: no key
@@ -151,19 +170,51 @@ class FakeC:
         gq = torch.einsum("bhts,bshd->bthd", ds, k64) * scale
         gk = torch.einsum("bhts,bthd->bshd", ds, q64) * scale
         B, Sk, H, D = gk.shape
-        dQ.copy_(gq)
-        dK.copy_(gk.view(B, Sk, H // group, group, D).sum(3))
-        dV.copy_(gv.view(B, Sk, H // group, group, D).sum(3))
+        return gq, gk.view(B, Sk, H // group, group, D).sum(3), gv.view(B, Sk, H // group, group, D).sum(3)
+
+    def _lse(self, p, ptr):
+        """The LSE the kernels read or write: (batch, nheads, seqlen_q), or (1, nheads,
+        total_q) for a variable-length batch (FlashAttention-2's (nheads, total_q))."""
+        if p["cu_seqlens_q"]:
+            H, T = p["nheads"], p["total_q"]
+            return _raw(ptr, (1, H, T), (H * T, T, 1), torch.float32, self.device)
+        B, H, S = p["batch"], p["nheads"], p["seqlen_q"]
+        return _raw(ptr, (B, H, S), (H * S, S, 1), torch.float32, self.device)
+
+    def _sequences(self, p, lse):
+        """(query rows, key rows, LSE) index/view per sequence: the whole batch when dense; each
+        sequence of a variable-length batch, clamped to the tensors as the kernels clamp."""
+        if not p["cu_seqlens_q"]:
+            yield slice(None), slice(None), lse
+            return
+        n = p["batch"] + 1
+        cu_q = _raw(p["cu_seqlens_q"], (n,), (1,), torch.int32, self.device).tolist()
+        cu_k = _raw(p["cu_seqlens_k"], (n,), (1,), torch.int32, self.device).tolist()
+        rows = []
+        for cu, total, longest in ((cu_q, p["total_q"], p["seqlen_q"]),
+                                   (cu_k, p["total_k"], p["seqlen_k"])):
+            starts = [min(max(x, 0), total) for x in cu]
+            rows.append([(s, s + max(0, min(e - s, longest))) for s, e in zip(starts, starts[1:])])
+        for (q0, q1), (k0, k1) in zip(*rows):
+            yield (slice(None), slice(q0, q1)), (slice(None), slice(k0, k1)), lse[:, :, q0:q1]
 
     # -- checks ---------------------------------------------------------------------------------
     _KEYS = ("batch", "seqlen_q", "seqlen_k", "nheads", "nheads_kv", "head_dim", "softmax_scale",
              "window_left", "window_right", "softcap", "dtype", "arch")
+    # The binding's variable-length keywords and their defaults (a dense batch).
+    _VARLEN_KEYS = {"cu_seqlens_q": 0, "cu_seqlens_k": 0, "total_q": 0, "total_k": 0}
 
     def _problem(self, direction, kw, check_built=True):
         kw = dict(kw)
         stream = kw.pop("stream", 0)
         assert isinstance(stream, int), f"stream must be an int, got {type(stream)}"
-        assert set(kw) == set(self._KEYS), f"unexpected kwargs {sorted(kw)}"
+        passed = dict(kw)
+        kw = {**self._VARLEN_KEYS, **kw}
+        assert set(kw) == set(self._KEYS) | set(self._VARLEN_KEYS), f"unexpected kwargs {sorted(kw)}"
+        if bool(kw["cu_seqlens_q"]) != bool(kw["cu_seqlens_k"]):
+            raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
+        if kw["cu_seqlens_q"] and kw["arch"] not in VARLEN_ARCHS:
+            raise NotImplementedError(f"fake _C: sm{kw['arch']} has no variable-length kernels")
         if kw["head_dim"] not in INSTANTIATED:
             raise ValueError(f"head_dim {kw['head_dim']} is not instantiated")
         if kw["dtype"] not in DTYPES:
@@ -176,11 +227,13 @@ class FakeC:
         if check_built:
             if key not in self.built:
                 raise NotImplementedError(f"fake _C: kernel {key} not built")
-            self.calls.append((direction, kw["arch"], kw))
+            self.calls.append((direction, kw["arch"], passed))
         return kw
 
     def _tensors(self, p, dtype, **refs):
         B, Sq, Sk = p["batch"], p["seqlen_q"], p["seqlen_k"]
+        if p["cu_seqlens_q"]:  # packed: (1, total, heads, d) views
+            B, Sq, Sk = 1, p["total_q"], p["total_k"]
         H, Hkv, D = p["nheads"], p["nheads_kv"], p["head_dim"]
         shapes = {
             "q": (B, Sq, H, D), "o": (B, Sq, H, D), "dout": (B, Sq, H, D), "dq": (B, Sq, H, D),

@@ -12,7 +12,6 @@
 
 #include "cutlass_flash/params.h"
 #include "dispatch/table.h"
-#include "generated/bwd_workspace.h"
 #include "dispatch/validate.h"
 #include "generated/bwd_workspace.h"
 
@@ -61,9 +60,10 @@ std::string known_families() {
 constexpr int64_t kVecElems = 8;
 constexpr uintptr_t kVecBytes = 16;
 
-// One (batch, seqlen, heads, head_dim) tensor. A stride is checked only where its dimension has
-// more than one index: torch reports arbitrary strides (0 after expand(), say) for size-1
-// dimensions, and the kernels never multiply them by anything but 0.
+// One (batch, seqlen, heads, head_dim) tensor, or (total, heads, head_dim) for a variable-length
+// batch (batch_stride unused). A stride is checked only where its dimension has more than one
+// index: torch reports arbitrary strides (0 after expand(), say) for size-1 dimensions, and the
+// kernels never multiply them by anything but 0.
 Status check_tensor(Direction dir, const char* name, const TensorRef4& t, const AttnProblem& p,
                     int seqlen, int heads) {
   if (t.ptr == nullptr) return make(Status::kInvalidArgument, prefix(dir) + name + " is a null pointer");
@@ -74,7 +74,7 @@ Status check_tensor(Direction dir, const char* name, const TensorRef4& t, const 
     const char* stride_name;
     int64_t stride;
     int64_t extent;
-  } dims[] = {{"batch_stride", t.batch_stride, p.batch},
+  } dims[] = {{"batch_stride", t.batch_stride, p.is_varlen() ? 1 : p.batch},
               {"row_stride", t.row_stride, seqlen},
               {"head_stride", t.head_stride, heads}};
   for (const Dim& d : dims) {
@@ -89,6 +89,10 @@ Status check_tensor(Direction dir, const char* name, const TensorRef4& t, const 
   }
   return Status::Ok();
 }
+
+// Rows of a query-side / key-side tensor: per sequence, or packed.
+int rows_q(const AttnProblem& p) { return p.is_varlen() ? p.total_q : p.seqlen_q; }
+int rows_k(const AttnProblem& p) { return p.is_varlen() ? p.total_k : p.seqlen_k; }
 
 Status check_scalar_ptr(Direction dir, const char* name, const void* ptr, uintptr_t align) {
   if (ptr == nullptr) return make(Status::kInvalidArgument, prefix(dir) + name + " is a null pointer");
@@ -189,10 +193,24 @@ Status check_problem(const AttnProblem& p, int arch, Direction dir) {
     return make(Status::kInvalidArgument, prefix(dir) + "softmax_scale must be finite");
   if (!(std::isfinite(p.softcap) && p.softcap >= 0.f))
     return make(Status::kInvalidArgument, prefix(dir) + "softcap must be finite and >= 0 (0: off)");
+  if ((p.cu_seqlens_q == nullptr) != (p.cu_seqlens_k == nullptr))
+    return make(Status::kInvalidArgument,
+                prefix(dir) + "cu_seqlens_q and cu_seqlens_k must be given together (variable-length) or not at all");
+  if (p.is_varlen()) {
+    for (const void* ptr : {static_cast<const void*>(p.cu_seqlens_q), static_cast<const void*>(p.cu_seqlens_k)})
+      if (reinterpret_cast<uintptr_t>(ptr) % alignof(int) != 0)
+        return make(Status::kInvalidArgument, prefix(dir) + "cu_seqlens are not 4-byte aligned int32 arrays");
+    if (p.total_q <= 0 || p.total_k <= 0)
+      return make(Status::kInvalidArgument, prefix(dir) + "total_q = " + to_string(p.total_q) + " and total_k = " +
+                                                to_string(p.total_k) + " must be positive");
+  }
   const CatalogFamily* fam = find_family(arch);
   if (fam == nullptr)
     return make(Status::kInvalidArgument, prefix(dir) + "unknown kernel family arch = " +
                                               to_string(arch) + " (known: " + known_families() + ")");
+  if (p.is_varlen() && !fam->varlen)
+    return make(Status::kNotBuilt, prefix(dir) + "the sm" + to_string(arch) +
+                                       " family has no variable-length kernels yet (cu_seqlens); the sm80 family has");
   if (!contains(fam->head_dims, fam->num_head_dims, p.head_dim))
     return make(Status::kInvalidArgument,
                 prefix(dir) + "head_dim = " + to_string(p.head_dim) +
@@ -232,10 +250,10 @@ Status run_fwd(const FwdParams& params, int arch, cudaStream_t stream) {
   constexpr Direction dir = Direction::kForward;
   return dispatch::run_direction(dir, params, arch, stream, [&](const AttnProblem& p) {
     return std::array{
-        dispatch::check_tensor(dir, "q", params.q, p, p.seqlen_q, p.nheads),
-        dispatch::check_tensor(dir, "k", params.k, p, p.seqlen_k, p.nheads_kv),
-        dispatch::check_tensor(dir, "v", params.v, p, p.seqlen_k, p.nheads_kv),
-        dispatch::check_tensor(dir, "o", params.o, p, p.seqlen_q, p.nheads),
+        dispatch::check_tensor(dir, "q", params.q, p, dispatch::rows_q(p), p.nheads),
+        dispatch::check_tensor(dir, "k", params.k, p, dispatch::rows_k(p), p.nheads_kv),
+        dispatch::check_tensor(dir, "v", params.v, p, dispatch::rows_k(p), p.nheads_kv),
+        dispatch::check_tensor(dir, "o", params.o, p, dispatch::rows_q(p), p.nheads),
         dispatch::check_scalar_ptr(dir, "lse", params.lse, alignof(float)),
         fwd_workspace_bytes(p, arch) == 0 ? Status::Ok()
                                           : dispatch::check_scalar_ptr(dir, "workspace", params.workspace, kFwdWorkspaceAlign),
@@ -247,15 +265,15 @@ Status run_bwd(const BwdParams& params, int arch, cudaStream_t stream) {
   constexpr Direction dir = Direction::kBackward;
   return dispatch::run_direction(dir, params, arch, stream, [&](const AttnProblem& p) {
     return std::array{
-        dispatch::check_tensor(dir, "q", params.q, p, p.seqlen_q, p.nheads),
-        dispatch::check_tensor(dir, "k", params.k, p, p.seqlen_k, p.nheads_kv),
-        dispatch::check_tensor(dir, "v", params.v, p, p.seqlen_k, p.nheads_kv),
-        dispatch::check_tensor(dir, "o", params.o, p, p.seqlen_q, p.nheads),
-        dispatch::check_tensor(dir, "dout", params.dout, p, p.seqlen_q, p.nheads),
+        dispatch::check_tensor(dir, "q", params.q, p, dispatch::rows_q(p), p.nheads),
+        dispatch::check_tensor(dir, "k", params.k, p, dispatch::rows_k(p), p.nheads_kv),
+        dispatch::check_tensor(dir, "v", params.v, p, dispatch::rows_k(p), p.nheads_kv),
+        dispatch::check_tensor(dir, "o", params.o, p, dispatch::rows_q(p), p.nheads),
+        dispatch::check_tensor(dir, "dout", params.dout, p, dispatch::rows_q(p), p.nheads),
         dispatch::check_scalar_ptr(dir, "lse", params.lse, alignof(float)),
-        dispatch::check_tensor(dir, "dq", params.dq, p, p.seqlen_q, p.nheads),
-        dispatch::check_tensor(dir, "dk", params.dk, p, p.seqlen_k, p.nheads_kv),
-        dispatch::check_tensor(dir, "dv", params.dv, p, p.seqlen_k, p.nheads_kv),
+        dispatch::check_tensor(dir, "dq", params.dq, p, dispatch::rows_q(p), p.nheads),
+        dispatch::check_tensor(dir, "dk", params.dk, p, dispatch::rows_k(p), p.nheads_kv),
+        dispatch::check_tensor(dir, "dv", params.dv, p, dispatch::rows_k(p), p.nheads_kv),
         dispatch::check_scalar_ptr(dir, "workspace", params.workspace, 256),
     };
   }, &dispatch::Entry::bwd);

@@ -26,8 +26,11 @@ constexpr int kBwdDqGroupsMaxHeadDim = 128;
 constexpr size_t kFwdWorkspaceAlign = 16;
 
 struct BwdWorkspace {
-  int64_t seqlen_q_rounded;  // rows per (batch, head) in every array
-  int64_t rows;              // rows of one copy: batch * nheads * seqlen_q_rounded
+  int64_t seqlen_q_rounded;  // seqlen_q (the longest sequence's) rounded up: query rows per grid
+  // Rows per (batch, head) when dense (seqlen_q_rounded); when variable-length, rows per head:
+  // total_q rounded up, plus kBwdRowAlign per sequence (SeqInfo::workspace_row).
+  int64_t rows_per_head;
+  int64_t rows;              // rows of one copy
   int dq_groups;             // copies of dq_accum and dq_semaphore: bwd_dq_groups
   size_t dq_accum_offset;  // float
   size_t dpsum_offset;  // float
@@ -36,23 +39,32 @@ struct BwdWorkspace {
   size_t total_bytes;
 
   // Row offset of key block n_block's dQ copy (its group's) in dq_accum and dq_semaphore, added
-  // to a BlockInfo::workspace_row; 0 unless deterministic.
+  // to a SeqInfo::workspace_row; 0 unless deterministic.
   CUTLASS_FLASH_HOST_DEVICE int64_t dq_group_row(int n_block) const { return (n_block % dq_groups) * rows; }
 };
 
 CUTLASS_FLASH_HOST_DEVICE inline size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
 // kBwdDqGroups copies where key blocks are many enough for the shorter chains to pay (see
-// csrc/generate.py), else 1.
+// csrc/generate.py), else 1. Variable-length batches take 1: a rule on the longest sequence would
+// give one sequence other bits alone than inside a batch.
 CUTLASS_FLASH_HOST_DEVICE inline int bwd_dq_groups(const AttnProblem& p, bool deterministic) {
-  return deterministic && p.seqlen_k >= kBwdDqGroupsMinSeqlenK && p.head_dim <= kBwdDqGroupsMaxHeadDim
+  return deterministic && !p.is_varlen() && p.seqlen_k >= kBwdDqGroupsMinSeqlenK &&
+                 p.head_dim <= kBwdDqGroupsMaxHeadDim
              ? kBwdDqGroups : 1;
 }
 
 CUTLASS_FLASH_HOST_DEVICE inline BwdWorkspace bwd_workspace_layout(const AttnProblem& p, bool deterministic) {
   BwdWorkspace w{};
   w.seqlen_q_rounded = (int64_t(p.seqlen_q) + kBwdRowAlign - 1) / kBwdRowAlign * kBwdRowAlign;
-  w.rows = int64_t(p.batch) * p.nheads * w.seqlen_q_rounded;
+  if (p.is_varlen()) {
+    w.rows_per_head = (int64_t(p.total_q) + kBwdRowAlign - 1) / kBwdRowAlign * kBwdRowAlign +
+                      int64_t(p.batch) * kBwdRowAlign;
+    w.rows = int64_t(p.nheads) * w.rows_per_head;
+  } else {
+    w.rows_per_head = w.seqlen_q_rounded;
+    w.rows = int64_t(p.batch) * p.nheads * w.rows_per_head;
+  }
   w.dq_groups = bwd_dq_groups(p, deterministic);
   const size_t rows = size_t(w.rows);
   size_t off = 0;

@@ -24,11 +24,17 @@ struct TensorRef4 {
 // a negative bound meaning unbounded. Causal is (window_left = -1, window_right = 0). Sliding
 // windows then need no new kernel parameter, only values.
 //
-// Extension points, kept out of the struct until a kernel implements them (an unused field that
-// a kernel silently ignores would be a wrong answer waiting to happen):
-//  - variable length batches: `const int* cu_seqlens_q/k`, read by kernels/common/block_info.h;
-//  - softcapping: one float, applied in kernels/common/softmax.h before the row max;
-//  - paged KV cache: a block table, read by the K/V load of the mainloop.
+// Variable-length batches (FlashAttention's packed layout), when cu_seqlens_q is set: q, o, dout,
+// dq are (total_q, nheads, head_dim) and k, v, dk, dv (total_k, nheads_kv, head_dim) tensors
+// (batch_stride unused), sequence b owns rows [cu_seqlens[b], cu_seqlens[b + 1]) of each, and
+// seqlen_q / seqlen_k are the largest lengths (they size the grids). The LSE is (nheads, total_q).
+// Kernels read these through kernels/common/block_info.h only, which clamps every sequence to
+// [0, total) and to the maxima: bad cu_seqlens content gives wrong numbers, never an access
+// outside the tensors.
+//
+// Extension point, kept out of the struct until a kernel implements it (an unused field that a
+// kernel silently ignores would be a wrong answer waiting to happen): paged KV cache, a block
+// table read by the K/V load of the mainloop.
 struct AttnProblem {
   int batch = 0;
   int seqlen_q = 0;
@@ -43,15 +49,22 @@ struct AttnProblem {
   // softmax (Gemma 2); 0: off.
   float softcap = 0.f;
   DType dtype = DType::kBFloat16;
+  // Variable-length batches: batch + 1 int32 offsets each (both or neither), and the rows of the
+  // packed tensors.
+  const int* cu_seqlens_q = nullptr;
+  const int* cu_seqlens_k = nullptr;
+  int total_q = 0;
+  int total_k = 0;
 
   bool is_causal() const { return window_left < 0 && window_right == 0; }
+  constexpr bool is_varlen() const { return cu_seqlens_q != nullptr; }
 };
 
 struct FwdParams {
   AttnProblem problem;
   TensorRef4 q, k, v;   // inputs
   TensorRef4 o;         // output, same dtype as q
-  float* lse = nullptr; // output, contiguous (batch, nheads, seqlen_q), natural log
+  float* lse = nullptr; // output, contiguous (batch, nheads, seqlen_q) or (nheads, total_q), natural log
   // Scratch, at least fwd_workspace_bytes(problem, arch) bytes (may be null when that is 0),
   // 16-byte aligned; need not be zeroed (the sm90 tile counter is zeroed on the stream).
   void* workspace = nullptr;
@@ -60,7 +73,7 @@ struct FwdParams {
 struct BwdParams {
   AttnProblem problem;
   TensorRef4 q, k, v, o, dout;  // inputs
-  const float* lse = nullptr;   // contiguous (batch, nheads, seqlen_q)
+  const float* lse = nullptr;   // contiguous (batch, nheads, seqlen_q) or (nheads, total_q)
   // Outputs, shaped like q, k, v: dk and dv are per kv head (GQA/MQA groups are summed inside the
   // kernels, in a fixed order).
   TensorRef4 dq, dk, dv;

@@ -32,15 +32,18 @@ __global__ void __launch_bounds__(BwdPreprocess::kWarps * 32) bwd_preprocess_ker
   const AttnProblem& p = params.problem;
   const BwdWorkspace ws = bwd_workspace_layout(p, params.deterministic);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int head = blockIdx.y, batch = blockIdx.z;
-  const int64_t bh_row = BlockInfo::workspace_row(p, ws.seqlen_q_rounded, batch, head);
+  const int head = blockIdx.y;
+  const SeqInfo seq(p, blockIdx.z);
+  // Every row the main kernels read: the sequence's rows rounded up to whole query tiles.
+  if (blockIdx.x * kRows >= (seq.seqlen_q + kBwdRowAlign - 1) / kBwdRowAlign * kBwdRowAlign) return;
+  const int64_t bh_row = seq.workspace_row(p, ws.rows_per_head, head);
   char* workspace = static_cast<char*>(params.workspace);
   float* dq_accum = reinterpret_cast<float*>(workspace + ws.dq_accum_offset);
   float* dpsum = reinterpret_cast<float*>(workspace + ws.dpsum_offset);
   float* lse_log2 = reinterpret_cast<float*>(workspace + ws.lse_log2_offset);
-  const float* lse = params.lse + BlockInfo::lse_row(p, batch, head);
-  const Element* o = BlockInfo::slice<const Element>(params.o, batch, head);
-  const Element* dout = BlockInfo::slice<const Element>(params.dout, batch, head);
+  const float* lse = params.lse + seq.lse_row(p, head);
+  const Element* o = seq.q_rows<const Element>(p, params.o, head);
+  const Element* dout = seq.q_rows<const Element>(p, params.dout, head);
   if (params.deterministic && threadIdx.x < kRows / kBwdSemaphoreRows) {
     int* sem = reinterpret_cast<int*>(workspace + ws.dq_semaphore_offset);
     for (int g = 0; g < ws.dq_groups; ++g)
@@ -53,7 +56,7 @@ __global__ void __launch_bounds__(BwdPreprocess::kWarps * 32) bwd_preprocess_ker
       for (int c = lane; c < kHeadDim / 4; c += 32) dq_row[c] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
     float acc = 0.f;
-    if (row < p.seqlen_q) {
+    if (row < seq.seqlen_q) {
       for (int c = lane * 8; c < kHeadDim; c += 32 * 8) {
         const uint4 ov = *reinterpret_cast<const uint4*>(o + row * params.o.row_stride + c);
         const uint4 dv = *reinterpret_cast<const uint4*>(dout + row * params.dout.row_stride + c);
@@ -67,7 +70,7 @@ __global__ void __launch_bounds__(BwdPreprocess::kWarps * 32) bwd_preprocess_ker
     for (int offset = 16; offset > 0; offset /= 2) acc += __shfl_xor_sync(0xffffffff, acc, offset);
     if (lane == 0) {
       dpsum[bh_row + row] = acc;
-      lse_log2[bh_row + row] = row < p.seqlen_q ? lse[row] * float(M_LOG2E) : INFINITY;
+      lse_log2[bh_row + row] = row < seq.seqlen_q ? lse[row] * float(M_LOG2E) : INFINITY;
     }
   }
 }

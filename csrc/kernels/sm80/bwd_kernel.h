@@ -29,8 +29,10 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_convert_dq_kernel(const
   constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
   const AttnProblem& p = params.problem;
   const BwdWorkspace ws = bwd_workspace_layout(p, params.deterministic);
-  const int tid = threadIdx.x, m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
-  const int64_t bh_row = BlockInfo::workspace_row(p, ws.seqlen_q_rounded, batch, head);
+  const int tid = threadIdx.x, m_block = blockIdx.x, head = blockIdx.y;
+  const SeqInfo seq(p, blockIdx.z);
+  if (m_block * kBlockM >= seq.seqlen_q) return;  // variable-length: past a shorter sequence
+  const int64_t bh_row = seq.workspace_row(p, ws.rows_per_head, head);
   const float* dq_tile = reinterpret_cast<const float*>(static_cast<const char*>(params.workspace) +
                                                         ws.dq_accum_offset) +
                          bh_row * kHeadDim + m_block * (kBlockM * kHeadDim);
@@ -47,11 +49,11 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_convert_dq_kernel(const
   CUTE_UNROLL
   for (int i = 0; i < size(acc_dq); ++i) acc_dq(i) *= p.softmax_scale;
   Tensor rdq = convert_type<Element>(acc_dq);
-  Tensor mdq = make_tensor(make_gmem_ptr(BlockInfo::slice<Element>(params.dq, batch, head)),
-                           make_shape(p.seqlen_q, Int<kHeadDim>{}), make_stride(params.dq.row_stride, _1{}));
+  Tensor mdq = make_tensor(make_gmem_ptr(seq.q_rows<Element>(p, params.dq, head)),
+                           make_shape(seq.seqlen_q, Int<kHeadDim>{}), make_stride(params.dq.row_stride, _1{}));
   Tensor tdq = thr_dq.partition_C(local_tile(mdq, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0)));
   Tensor tcoord = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  const int rows_left = p.seqlen_q - m_block * kBlockM;
+  const int rows_left = seq.seqlen_q - m_block * kBlockM;
   CUTE_UNROLL
   for (int i = 0; i < size(rdq); ++i) {
     if (get<0>(tcoord(i)) < rows_left) tdq(i) = rdq(i);
@@ -71,9 +73,11 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1) bwd_kernel(con
   // already starts the longest blocks first. Deterministic mode relies on lower key blocks
   // starting first (common/dq_semaphore.h).
   const TileCoord tile = Scheduler::get(/*longest_first=*/false);
-  const int n_block = tile.block, head_kv = tile.head, batch = tile.batch;
+  const int n_block = tile.block, head_kv = tile.head;
+  const SeqInfo seq(p, tile.batch);
+  if (n_block * kBlockN >= seq.seqlen_k) return;  // variable-length: past a shorter sequence
   const int group = p.nheads / p.nheads_kv;
-  const WindowMask mask(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right);
+  const WindowMask mask(seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right);
   int m_min, m_max;
   mask.m_block_range<kBlockM, kBlockN>(n_block, m_min, m_max);
 
@@ -82,14 +86,14 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1) bwd_kernel(con
   };
   using QTile = Shape<Int<kBlockM>, Int<kHeadDim>>;
   using KTile = Shape<Int<kBlockN>, Int<kHeadDim>>;
-  Tensor gK = local_tile(rows_tensor(BlockInfo::slice<Element>(params.k, batch, head_kv), p.seqlen_k,
-                                     params.k.row_stride), KTile{}, make_coord(n_block, 0));
-  Tensor gV = local_tile(rows_tensor(BlockInfo::slice<Element>(params.v, batch, head_kv), p.seqlen_k,
-                                     params.v.row_stride), KTile{}, make_coord(n_block, 0));
-  Tensor gdK = local_tile(rows_tensor(BlockInfo::slice<Element>(params.dk, batch, head_kv), p.seqlen_k,
-                                      params.dk.row_stride), KTile{}, make_coord(n_block, 0));
-  Tensor gdV = local_tile(rows_tensor(BlockInfo::slice<Element>(params.dv, batch, head_kv), p.seqlen_k,
-                                      params.dv.row_stride), KTile{}, make_coord(n_block, 0));
+  Tensor gK = local_tile(rows_tensor(seq.k_rows<Element>(p, params.k, head_kv), seq.seqlen_k, params.k.row_stride),
+                         KTile{}, make_coord(n_block, 0));
+  Tensor gV = local_tile(rows_tensor(seq.k_rows<Element>(p, params.v, head_kv), seq.seqlen_k, params.v.row_stride),
+                         KTile{}, make_coord(n_block, 0));
+  Tensor gdK = local_tile(rows_tensor(seq.k_rows<Element>(p, params.dk, head_kv), seq.seqlen_k, params.dk.row_stride),
+                          KTile{}, make_coord(n_block, 0));
+  Tensor gdV = local_tile(rows_tensor(seq.k_rows<Element>(p, params.dv, head_kv), seq.seqlen_k, params.dv.row_stride),
+                          KTile{}, make_coord(n_block, 0));
 
   const BwdWorkspace ws = bwd_workspace_layout(p, params.deterministic);
   char* workspace = static_cast<char*>(params.workspace);
@@ -101,22 +105,22 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1) bwd_kernel(con
   // a fixed order.
   for (int g = 0; g < group && m_min < m_max; ++g) {
     const int head = head_kv * group + g;
-    const int64_t bh_row = BlockInfo::workspace_row(p, ws.seqlen_q_rounded, batch, head);
-    Tensor gQ = local_tile(rows_tensor(BlockInfo::slice<Element>(params.q, batch, head), p.seqlen_q,
-                                       params.q.row_stride), QTile{}, make_coord(_, 0));
-    Tensor gdO = local_tile(rows_tensor(BlockInfo::slice<Element>(params.dout, batch, head), p.seqlen_q,
-                                        params.dout.row_stride), QTile{}, make_coord(_, 0));
+    const int64_t bh_row = seq.workspace_row(p, ws.rows_per_head, head);
+    Tensor gQ = local_tile(rows_tensor(seq.q_rows<Element>(p, params.q, head), seq.seqlen_q, params.q.row_stride),
+                           QTile{}, make_coord(_, 0));
+    Tensor gdO = local_tile(rows_tensor(seq.q_rows<Element>(p, params.dout, head), seq.seqlen_q, params.dout.row_stride),
+                            QTile{}, make_coord(_, 0));
     const int64_t dq_row = bh_row + ws.dq_group_row(n_block);
     float* dq_accum = reinterpret_cast<float*>(workspace + ws.dq_accum_offset) + dq_row * kHeadDim;
     const float* dpsum = reinterpret_cast<const float*>(workspace + ws.dpsum_offset) + bh_row;
-    const float* lse = params.lse + BlockInfo::lse_row(p, batch, head);
+    const float* lse = params.lse + seq.lse_row(p, head);
     const BwdDqOrder dq_order{params.deterministic ? reinterpret_cast<int*>(workspace + ws.dq_semaphore_offset) : nullptr,
                               dq_row, n_block, ws.dq_groups};
     if (g > 0) __syncthreads();  // the last head's final reads of shared memory are done
     Mainloop::run(gQ, gdO, gK, gV, dq_accum, lse, dpsum, smem, mask, Softcap(p), n_block, m_min, m_max,
                   Softcap::softmax_scale(p) * float(M_LOG2E), acc_dk, acc_dv, dq_order);
   }
-  Epilogue::store(acc_dk, acc_dv, gdK, gdV, p.softmax_scale, smem, p.seqlen_k - n_block * kBlockN);
+  Epilogue::store(acc_dk, acc_dv, gdK, gdV, p.softmax_scale, smem, seq.seqlen_k - n_block * kBlockN);
 }
 
 }  // namespace cutlass_flash::sm80

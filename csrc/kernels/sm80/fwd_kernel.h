@@ -30,19 +30,21 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1) fwd_kernel(con
 
   const AttnProblem& p = params.problem;
   const TileCoord tile = Scheduler::get(/*longest_first=*/p.window_right >= 0);
-  const int m_block = tile.block, head = tile.head, batch = tile.batch;
+  const int m_block = tile.block, head = tile.head;
+  const SeqInfo seq(p, tile.batch);
+  if (m_block * kBlockM >= seq.seqlen_q) return;  // variable-length: past a shorter sequence
   const int head_kv = head / (p.nheads / p.nheads_kv);
-  const WindowMask mask(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right);
+  const WindowMask mask(seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right);
   int n_min, n_max;
   mask.n_block_range<kBlockM, kBlockN>(m_block, n_min, n_max);
 
   auto gmem_tensor = [](Element* ptr, int rows, int64_t row_stride) {
     return make_tensor(make_gmem_ptr(ptr), make_shape(rows, Int<kHeadDim>{}), make_stride(row_stride, _1{}));
   };
-  Tensor mQ = gmem_tensor(BlockInfo::slice<Element>(params.q, batch, head), p.seqlen_q, params.q.row_stride);
-  Tensor mK = gmem_tensor(BlockInfo::slice<Element>(params.k, batch, head_kv), p.seqlen_k, params.k.row_stride);
-  Tensor mV = gmem_tensor(BlockInfo::slice<Element>(params.v, batch, head_kv), p.seqlen_k, params.v.row_stride);
-  Tensor mO = gmem_tensor(BlockInfo::slice<Element>(params.o, batch, head), p.seqlen_q, params.o.row_stride);
+  Tensor mQ = gmem_tensor(seq.q_rows<Element>(p, params.q, head), seq.seqlen_q, params.q.row_stride);
+  Tensor mK = gmem_tensor(seq.k_rows<Element>(p, params.k, head_kv), seq.seqlen_k, params.k.row_stride);
+  Tensor mV = gmem_tensor(seq.k_rows<Element>(p, params.v, head_kv), seq.seqlen_k, params.v.row_stride);
+  Tensor mO = gmem_tensor(seq.q_rows<Element>(p, params.o, head), seq.seqlen_q, params.o.row_stride);
   Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
   Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
   Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
@@ -60,8 +62,8 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1) fwd_kernel(con
     fill(lse, INFINITY);  // no key visible to any row of this block: O = 0, LSE = +inf
   }
 
-  float* lse_out = params.lse + BlockInfo::lse_row(p, batch, head) + m_block * kBlockM;
-  Epilogue::store(acc_o, lse, gO, lse_out, smem, p.seqlen_q - m_block * kBlockM);
+  float* lse_out = params.lse + seq.lse_row(p, head) + m_block * kBlockM;
+  Epilogue::store(acc_o, lse, gO, lse_out, smem, seq.seqlen_q - m_block * kBlockM);
 }
 
 }  // namespace cutlass_flash::sm80

@@ -23,18 +23,19 @@ struct BwdEpilogue {
   static constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
 
   // Writes one (kBlockN, d) accumulator of consumer thread `tid` to rows [n_block * kBlockN, ...)
-  // of `out` (batch, head_kv), rows past seqlen_k left alone. Once per block, after the whole
-  // query loop: direct stores, no staging.
+  // of `out` (sequence seq, head_kv), rows past its seqlen_k left alone. Once per block, after the
+  // whole query loop: direct stores, no staging.
   template <typename Acc>
-  __device__ static void store(const TensorRef4& out, const Acc& acc, float scale, int batch, int head_kv,
-                               int n_block, int seqlen_k, int tid) {
+  __device__ static void store(const AttnProblem& p, const TensorRef4& out, const Acc& acc, float scale,
+                               const SeqInfo& seq, int head_kv, int n_block, int tid) {
+    const int seqlen_k = seq.seqlen_k;
     typename Traits::TiledMmadKV mma_dkv;
     auto thr = mma_dkv.get_thread_slice(tid);
     Tensor scaled = make_tensor_like(acc);
     CUTE_UNROLL
     for (int i = 0; i < size(acc); ++i) scaled(i) = acc(i) * scale;
     Tensor r = convert_type<Element>(scaled);
-    Element* base = BlockInfo::slice<Element>(out, batch, head_kv) + int64_t(n_block) * kBlockN * out.row_stride;
+    Element* base = seq.k_rows<Element>(p, out, head_kv) + int64_t(n_block) * kBlockN * out.row_stride;
     Tensor g = make_tensor(make_gmem_ptr(base), make_shape(Int<kBlockN>{}, Int<kHeadDim>{}), make_stride(out.row_stride, _1{}));
     Tensor tg = thr.partition_C(g);
     Tensor tc = thr.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
@@ -58,8 +59,10 @@ __global__ void __launch_bounds__(Traits::kNMmaThreads) bwd_convert_dq_kernel(co
   constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
   const AttnProblem& p = params.problem;
   const BwdWorkspace ws = bwd_workspace_layout(p, params.deterministic);
-  const int tid = threadIdx.x, m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
-  const int64_t bh_row = BlockInfo::workspace_row(p, ws.seqlen_q_rounded, batch, head);
+  const int tid = threadIdx.x, m_block = blockIdx.x, head = blockIdx.y;
+  const SeqInfo seq(p, blockIdx.z);
+  if (m_block * kBlockM >= seq.seqlen_q) return;  // variable-length: past a shorter sequence
+  const int64_t bh_row = seq.workspace_row(p, ws.rows_per_head, head);
   const float* tile = reinterpret_cast<const float*>(static_cast<const char*>(params.workspace) + ws.dq_accum_offset) +
                       (bh_row + int64_t(m_block) * kBlockM) * kHeadDim;
   typename Traits::TiledMmadQ mma_dq;
@@ -88,11 +91,11 @@ __global__ void __launch_bounds__(Traits::kNMmaThreads) bwd_convert_dq_kernel(co
   CUTE_UNROLL
   for (int i = 0; i < size(acc); ++i) acc(i) *= p.softmax_scale;
   Tensor r = convert_type<Element>(acc);
-  Tensor mdq = make_tensor(make_gmem_ptr(BlockInfo::slice<Element>(params.dq, batch, head)),
-                           make_shape(p.seqlen_q, Int<kHeadDim>{}), make_stride(params.dq.row_stride, _1{}));
+  Tensor mdq = make_tensor(make_gmem_ptr(seq.q_rows<Element>(p, params.dq, head)),
+                           make_shape(seq.seqlen_q, Int<kHeadDim>{}), make_stride(params.dq.row_stride, _1{}));
   Tensor tg = thr.partition_C(local_tile(mdq, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0)));
   Tensor tc = thr.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  const int rows_left = p.seqlen_q - m_block * kBlockM;
+  const int rows_left = seq.seqlen_q - m_block * kBlockM;
   CUTE_UNROLL
   for (int i = 0; i < size(r); ++i) {
     if (get<0>(tc(i)) < rows_left) tg(i) = r(i);

@@ -79,11 +79,11 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
       const BwdSteps steps = make_steps(make_mask());
       if (steps.count() > 0) {
         Mainloop::load_kv(params, shared, steps, n_block, head_kv);
-        Mainloop::load_rows(params.tma_q, p, params.seqlen_q_rounded, pipeline_q, shared.q.data(),
+        Mainloop::load_rows(params.tma_q, p, params.rows_per_head, pipeline_q, shared.q.data(),
                             shared.lse_log2.data(), params.lse_log2, steps);
       }
     } else if (threadIdx.x == kdOThread) {  // dO with its D
-      Mainloop::load_rows(params.tma_do, p, params.seqlen_q_rounded, pipeline_do, shared.dout.data(),
+      Mainloop::load_rows(params.tma_do, p, params.rows_per_head, pipeline_do, shared.dout.data(),
                           shared.dpsum.data(), params.dpsum, make_steps(make_mask()));
     } else if (Traits::kDqThread && threadIdx.x == kdQThread) {
       Mainloop::store_dq(shared, make_steps(make_mask()).count());
@@ -99,8 +99,9 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
     clear(acc_dk);
     clear(acc_dv);
     if (steps.count() > 0) Mainloop::mma(params, shared, pipeline_q, pipeline_do, steps, mask, n_block, tid, acc_dk, acc_dv);
-    Epilogue::store(params.dk, acc_dk, p.softmax_scale, tile.batch, head_kv, n_block, p.seqlen_k, tid);
-    Epilogue::store(params.dv, acc_dv, 1.f, tile.batch, head_kv, n_block, p.seqlen_k, tid);
+    const SeqInfo seq(p, tile.batch);
+    Epilogue::store(p, params.dk, acc_dk, p.softmax_scale, seq, head_kv, n_block, tid);
+    Epilogue::store(p, params.dv, acc_dv, 1.f, seq, head_kv, n_block, tid);
   }
 }
 

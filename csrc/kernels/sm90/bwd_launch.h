@@ -56,7 +56,7 @@ BwdKernelParams<Traits> bwd_kernel_params(const BwdParams& params) {
   kp.dpsum = reinterpret_cast<const float*>(workspace + ws.dpsum_offset);
   kp.lse_log2 = reinterpret_cast<const float*>(workspace + ws.lse_log2_offset);
   kp.dq_semaphore = params.deterministic ? reinterpret_cast<int*>(workspace + ws.dq_semaphore_offset) : nullptr;
-  kp.seqlen_q_rounded = ws.seqlen_q_rounded;
+  kp.rows_per_head = ws.rows_per_head;
   kp.dq_group_rows = ws.rows;
   kp.dq_groups = ws.dq_groups;
   return kp;

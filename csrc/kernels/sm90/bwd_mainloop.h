@@ -99,7 +99,7 @@ struct BwdMainloop {
   // LSE (one thread) or dO with D (another). Two threads: one doing both spilled its registers at
   // the producer's 24 (the 2 x 24 + 2 x 240 budget of setmaxnreg has no room for more).
   template <typename Tma>
-  __device__ static void load_rows(const Tma& tma, const AttnProblem& p, int64_t seqlen_q_rounded, Pipeline& pipeline,
+  __device__ static void load_rows(const Tma& tma, const AttnProblem& p, int64_t rows_per_head, Pipeline& pipeline,
                                    Element* smem, float* smem_stats, const float* stats, const BwdSteps& steps) {
     Tensor m = tma.get_tma_tensor(make_shape(p.seqlen_q, p.head_dim, p.nheads, p.batch));
     Tensor s = make_tensor(make_smem_ptr(smem), typename Traits::SmemLayoutQ{});
@@ -108,7 +108,7 @@ struct BwdMainloop {
     for (int h = steps.head_begin; h < steps.head_begin + steps.heads; ++h) {
       Tensor g = local_tile(m(_, _, h, steps.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
       auto [tg, ts] = tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
-      const float* row_stats = stats + BlockInfo::workspace_row(p, seqlen_q_rounded, steps.batch, h);
+      const float* row_stats = stats + SeqInfo(p, steps.batch).workspace_row(p, rows_per_head, h);
 #pragma unroll 1
       for (int mb = steps.m_max - 1; mb >= steps.m_min; --mb) {
         pipeline.producer_acquire(st);
@@ -289,7 +289,7 @@ struct BwdMainloop {
         if (i >= Traits::kdQBuffers) shared.dq_empty[dq_buf].wait((i / Traits::kdQBuffers - 1) & 1);
         if (tid == 0) {
           // This key block's dQ group's rows (BwdWorkspace::dq_group_row; 0 unless deterministic).
-          const int64_t dq_row = BlockInfo::workspace_row(params.problem, params.seqlen_q_rounded, steps.batch, h) +
+          const int64_t dq_row = SeqInfo(params.problem, steps.batch).workspace_row(params.problem, params.rows_per_head, h) +
                                  (n_block % params.dq_groups) * params.dq_group_rows;
           DqTarget target{params.dq_accum + (dq_row + int64_t(m) * kBlockM) * kHeadDim, nullptr, 0};
           if (params.dq_semaphore != nullptr) {

@@ -80,7 +80,7 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_> {
 #pragma unroll 1
     for (int h = steps.head_begin; h < steps.head_begin + steps.heads; ++h) {
       // This key block's dQ group's rows (BwdWorkspace::dq_group_row; 0 unless deterministic).
-      const int64_t dq_row = BlockInfo::workspace_row(params.problem, params.seqlen_q_rounded, steps.batch, h) +
+      const int64_t dq_row = SeqInfo(params.problem, steps.batch).workspace_row(params.problem, params.rows_per_head, h) +
                              (n_block % params.dq_groups) * params.dq_group_rows;
 #pragma unroll 1
       for (int m = steps.m_max - 1; m >= steps.m_min; --m, ++i) {

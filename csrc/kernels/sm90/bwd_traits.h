@@ -235,7 +235,7 @@ struct BwdKernelParams {
   const float* dpsum;
   const float* lse_log2;
   int* dq_semaphore;     // null unless deterministic
-  int64_t seqlen_q_rounded;
+  int64_t rows_per_head;  // BwdWorkspace::rows_per_head
   int64_t dq_group_rows;  // BwdWorkspace::rows: the row offset between dQ groups' copies
   int dq_groups;          // BwdWorkspace::dq_groups (1 unless deterministic)
   typename Traits::TmaQ tma_q;

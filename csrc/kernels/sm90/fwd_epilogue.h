@@ -38,7 +38,7 @@ struct FwdEpilogue {
         make_identity_tensor(Shape<_64, Int<kHeadDim>>{})));
     const int first_row = tile.block * kBlockM + wg * 64;
     const int rows_left = p.seqlen_q - first_row;
-    float* out = params.lse + BlockInfo::lse_row(p, tile.batch, tile.head) + first_row;
+    float* out = params.lse + SeqInfo(p, tile.batch).lse_row(p, tile.head) + first_row;
     if (tid % 4 == 0) {
       CUTE_UNROLL
       for (int mi = 0; mi < size(lse); ++mi) {
@@ -100,7 +100,8 @@ struct FwdEpilogue {
     const AttnProblem& p = params.problem;
     constexpr int kChunks = kHeadDim * int(sizeof(Element)) / 16;  // 16-byte chunks per row
     const int rows_left = p.seqlen_q - tile.block * kBlockM;
-    Element* o = BlockInfo::slice<Element>(params.o, tile.batch, tile.head);
+    const SeqInfo seq(p, tile.batch);
+    Element* o = seq.q_rows<Element>(p, params.o, tile.head);
     for (int i = tid; i < kBlockM * kChunks; i += Traits::kNMmaThreads) {
       const int row = i / kChunks;
       if (row < rows_left) {
@@ -108,7 +109,7 @@ struct FwdEpilogue {
         *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
       }
     }
-    float* out = params.lse + BlockInfo::lse_row(p, tile.batch, tile.head) + tile.block * kBlockM;
+    float* out = params.lse + seq.lse_row(p, tile.head) + tile.block * kBlockM;
     for (int row = tid; row < kBlockM && row < rows_left; row += Traits::kNMmaThreads) out[row] = INFINITY;
   }
 
