@@ -492,7 +492,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         k, v: (total_k, nheads_kv, head_dim).
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) on q's device: sequence b owns rows
             [cu_seqlens[b], cu_seqlens[b + 1]) (cu_seqlens[0] = 0; empty sequences allowed).
-        max_seqlen_q, max_seqlen_k: int, the longest sequence's length (sizes the grid).
+        max_seqlen_q, max_seqlen_k: int, the longest sequence's length (sizes the grid); a 0-d
+            integer tensor is read back (a synchronisation).
         The rest: as flash_attn_func; causal masks and windows are aligned per sequence, to its
         bottom-right corner.
 
@@ -504,7 +505,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     on every call and raises ValueError. Variable-length batches run on the sm80 kernel family
     (the sm90 family has no variable-length kernels yet).
     """
-    scale, window_left, window_right = _validate.check_varlen_call(
+    scale, window_left, window_right, max_seqlen_q, max_seqlen_k = _validate.check_varlen_call(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
         causal, window_size, softcap, alibi_slopes, deterministic)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,

@@ -289,10 +289,15 @@ def _check_cu_seqlens(name, cu, batch, device):
 
 
 def _check_max_seqlen(name, value):
+    """The int; a 0-d integer tensor (what transformers passes for packed batches) is read back
+    (one synchronisation)."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_floating_point():
+        value = int(value)
     if not _is_int(value):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
 
 
 def check_cu_seqlens_content(name, cu, total, max_seqlen):
@@ -316,8 +321,8 @@ def check_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
                       softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic):
     """The checks of flash_attn_varlen_func: q (total_q, nheads, head_dim), k and v (total_k,
     nheads_kv, head_dim), cu_seqlens int32 (batch + 1,). Returns (softmax_scale, window_left,
-    window_right) as the kernels take them; the content of cu_seqlens is checked only under
-    CHECK_CU_SEQLENS_ENV (it would need a synchronisation)."""
+    window_right, max_seqlen_q, max_seqlen_k) as the kernels take them; the content of cu_seqlens
+    is checked only under CHECK_CU_SEQLENS_ENV (it would need a synchronisation)."""
     for name, t in zip(_NAMES, (q, k, v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -333,8 +338,8 @@ def check_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     check_inputs(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))
     _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None, q.device)
     _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, cu_seqlens_q.shape[0] - 1, q.device)
-    _check_max_seqlen("max_seqlen_q", max_seqlen_q)
-    _check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    max_seqlen_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k)
     scale = check_softmax_scale(softmax_scale, q.shape[2])
     window_left, window_right = check_mask(causal, window_size, max(max_seqlen_k, 1))
     check_not_yet_supported(dropout_p, softcap, alibi_slopes)
@@ -343,7 +348,7 @@ def check_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     if os.environ.get(CHECK_CU_SEQLENS_ENV, "0") not in ("", "0"):
         check_cu_seqlens_content("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
         check_cu_seqlens_content("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
-    return scale, window_left, window_right
+    return scale, window_left, window_right, max_seqlen_q, max_seqlen_k
 
 
 def is_kernel_layout(t):

@@ -1,0 +1,1 @@
+"""Integrations with other libraries; each is an optional extra, imported on demand."""

@@ -1,0 +1,177 @@
+"""Hugging Face transformers: attn_implementation="cutlass_flash" against transformers' own
+sdpa / eager attention on tiny random-weight models built from its classes (Llama; Mistral with a
+sliding window; Gemma 2 with softcap and alternating sliding layers), for padded batches, packed
+(padding-free) batches and a short training run. On CPU the kernels are the fake binding's float64
+stand-in (the integration's unpad / pad / packing / argument plumbing); on the GPU the kernels."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import cutlass_flash.integrations.transformers as hf  # noqa: E402  (registers the name)
+
+VOCAB = 128
+
+
+def _config(kind):
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    if kind == "llama":
+        return transformers.LlamaConfig(**common)
+    if kind == "mistral":
+        return transformers.MistralConfig(**common, sliding_window=8)
+    if kind == "gemma2":
+        return transformers.Gemma2Config(**common, head_dim=16, sliding_window=8,
+                                         attn_logit_softcapping=20.0, final_logit_softcapping=None,
+                                         query_pre_attn_scalar=16)
+    raise ValueError(kind)
+
+
+# sdpa has no softcap: Gemma 2's reference is eager.
+REFERENCE = {"llama": "sdpa", "mistral": "sdpa", "gemma2": "eager"}
+
+
+def _models(kind, device, dtype=torch.bfloat16):
+    torch.manual_seed(0)
+    ours = transformers.AutoModelForCausalLM.from_config(_config(kind), attn_implementation=hf.NAME)
+    ours = ours.to(device=device, dtype=dtype).eval()
+    ref = transformers.AutoModelForCausalLM.from_config(_config(kind), attn_implementation=REFERENCE[kind])
+    ref.load_state_dict(ours.state_dict())
+    ref = ref.to(device=device, dtype=dtype).eval()
+    return ours, ref
+
+
+def _batch(device, lengths=(20, 13, 7), left_pad=False):
+    g = torch.Generator().manual_seed(1)
+    n = max(lengths)
+    ids = torch.randint(0, VOCAB, (len(lengths), n), generator=g)
+    mask = torch.zeros(len(lengths), n, dtype=torch.long)
+    for i, m in enumerate(lengths):
+        if left_pad:
+            mask[i, n - m:] = 1
+        else:
+            mask[i, :m] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _bf16_noise(ours, ref):
+    """Logits differ by bf16 rounding through the layers: bound the error by the logits' scale."""
+    err = (ours.float() - ref.float()).abs().max().item()
+    scale = ref.float().abs().max().item()
+    assert err <= 0.05 * scale + 0.05, f"max |ours - ref| = {err:.4g} against logits up to {scale:.4g}"
+
+
+def _check_padded(kind, device, left_pad):
+    ours, ref = _models(kind, device)
+    ids, mask = _batch(device, left_pad=left_pad)
+    with torch.no_grad():
+        a = ours(input_ids=ids, attention_mask=mask).logits
+        b = ref(input_ids=ids, attention_mask=mask).logits
+    keep = mask.bool()
+    _bf16_noise(a[keep], b[keep])
+
+
+def _check_packed(kind, device):
+    """Padding-free: three sequences in one row, position_ids restarting at each; each must match
+    the same sequence run alone."""
+    ours, ref = _models(kind, device)
+    ids, mask = _batch(device)
+    lengths = mask.sum(1).tolist()
+    packed = torch.cat([ids[i, :n] for i, n in enumerate(lengths)]).unsqueeze(0)
+    pos = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0).to(device)
+    with torch.no_grad():
+        a = ours(input_ids=packed, position_ids=pos).logits[0]
+        alone = [ref(input_ids=ids[i:i + 1, :n]).logits[0] for i, n in enumerate(lengths)]
+    _bf16_noise(a, torch.cat(alone))
+
+
+def _train(model, device, steps):
+    g = torch.Generator().manual_seed(2)
+    # Two fixed batches in turn: the model learns them, so the loss falls well below ln(VOCAB).
+    data = torch.randint(0, VOCAB, (2, 4, 32), generator=g).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for step in range(steps):
+        x = data[step % 2]
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _check_training(kind, device, steps):
+    ours, ref = _models(kind, device)
+    ours.train()
+    ref.train()
+    a, b = _train(ours, device, steps), _train(ref, device, steps)
+    assert a[-1] < a[0] - 0.5, f"our loss did not fall: {a[0]:.3f} -> {a[-1]:.3f}"
+    worst = max(abs(x - y) for x, y in zip(a, b))
+    assert worst < 0.15, f"loss curves apart by {worst:.3f}: ours {a[::5]} reference {b[::5]}"
+
+
+# -- CPU, on the fake binding -----------------------------------------------------------------
+
+
+def test_registered(fake_backend):
+    assert hf.NAME in transformers.AttentionInterface().valid_keys()
+    hf.register()  # idempotent
+    model = transformers.AutoModelForCausalLM.from_config(_config("llama"))
+    model.set_attn_implementation(hf.NAME)
+    assert model.config._attn_implementation == hf.NAME
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
+@pytest.mark.parametrize("left_pad", [False, True], ids=["right_pad", "left_pad"])
+def test_padded_batch_fake(fake_backend, kind, left_pad):
+    _check_padded(kind, "cpu", left_pad)
+    assert fake_backend.archs_called("fwd"), "our kernels never ran"
+    # A padded batch goes through the variable-length kernels (transformers unpads it).
+    assert any(p.get("cu_seqlens_q") for _, _, p in fake_backend.calls)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma2"])
+def test_packed_batch_fake(fake_backend, kind):
+    _check_packed(kind, "cpu")
+    assert any(p.get("cu_seqlens_q") for _, _, p in fake_backend.calls)
+
+
+def test_windows_and_softcap_reach_the_kernels(fake_backend):
+    """Mistral's sliding window and Gemma 2's softcap arrive as window_size / softcap."""
+    for kind in ("mistral", "gemma2"):
+        ours, _ = _models(kind, "cpu")
+        ids, _ = _batch("cpu", lengths=(20, 20, 20))
+        with torch.no_grad():
+            ours(input_ids=ids)
+    windows = {(p["window_left"], p["window_right"]) for _, _, p in fake_backend.calls}
+    assert (7, 0) in windows, windows  # sliding_window 8: 7 keys back, causal
+    assert any(p["softcap"] == 20.0 for _, _, p in fake_backend.calls)
+
+
+def test_training_fake(fake_backend):
+    _check_training("llama", "cpu", steps=10)
+
+
+# -- GPU ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
+@pytest.mark.parametrize("left_pad", [False, True], ids=["right_pad", "left_pad"])
+def test_padded_batch(kind, left_pad):
+    _check_padded(kind, "cuda", left_pad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
+def test_packed_batch(kind):
+    _check_packed(kind, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
+def test_training(kind):
+    """30 training steps: our loss curve matches transformers' own attention's."""
+    _check_training(kind, "cuda", steps=30)
