@@ -71,8 +71,8 @@ class Family:
     # Scratch memory of one forward call (FwdParams::workspace), from the host API's
     # fwd_workspace_bytes and the tests' fake binding alike.
     fwd_workspace_bytes: int = 0
-    # Kernels that take variable-length batches (AttnProblem::cu_seqlens_q / _k).
-    varlen: bool = False
+    # Directions whose kernels take variable-length batches (AttnProblem::cu_seqlens_q / _k).
+    varlen: Tuple[str, ...] = ()
 
     def head_dims_for(self, direction: str) -> Tuple[int, ...]:
         if direction == "bwd" and self.bwd_head_dims is not None:
@@ -97,7 +97,7 @@ FAMILIES: Tuple[Family, ...] = (
     Family(arch=80, directions=("fwd", "bwd"), head_dims=HEAD_DIMS,
            sass_default=("80", "90"),
            sass_allowed=tuple(s for s in KNOWN_SASS if s != "90a"),
-           varlen=True),
+           varlen=("fwd", "bwd")),
     # Hopper (FlashAttention-3-style: TMA, wgmma, warp specialization). wgmma and setmaxnreg
     # exist only in the arch-specific sm_90a target.
     # CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED: wgmma atoms with N = 80, 112, ... (else CuTe splits
@@ -111,8 +111,8 @@ FAMILIES: Tuple[Family, ...] = (
            # The persistent forward's tile counter (one int, sm90/tile_scheduler.h) in one
            # FWD_WORKSPACE_ALIGN unit.
            fwd_workspace_bytes=16,
-           # Not yet: its TMA tensors and O store are per (batch, head) rectangles.
-           varlen=False),
+           # TMA over the packed tensors from each sequence's first row; O by predicated stores.
+           varlen=("fwd", "bwd")),
 )
 FAMILY_BY_ARCH: Dict[int, Family] = {f.arch: f for f in FAMILIES}
 
@@ -308,8 +308,8 @@ FWD_WORKSPACE_BYTES = {{{', '.join(f"{f.arch}: {f.fwd_workspace_bytes}" for f in
 #: alignment in bytes of that scratch memory.
 FWD_WORKSPACE_ALIGN = {FWD_WORKSPACE_ALIGN}
 
-#: families whose kernels take variable-length batches (cu_seqlens).
-VARLEN_ARCHS = {tuple(f.arch for f in FAMILIES if f.varlen)!r}
+#: family arch -> directions whose kernels take variable-length batches (cu_seqlens).
+VARLEN = {{{', '.join(f"{f.arch}: {f.varlen!r}" for f in FAMILIES)}}}
 """
 
 
@@ -651,7 +651,7 @@ def dispatch_table_source(insts: Sequence[Instantiation], knobs: Knobs) -> str:
         lines.append(f"    {{{f.arch}, {'true' if 'fwd' in f.directions else 'false'}, "
                      f"{'true' if 'bwd' in f.directions else 'false'}, kFamilyHeadDims{f.arch}, "
                      f"{len(f.head_dims)}, {_cxx_str(f.sass_knob)}, {f.fwd_workspace_bytes}, "
-                     f"{'true' if f.varlen else 'false'}}},")
+                     f"{'true' if 'fwd' in f.varlen else 'false'}, {'true' if 'bwd' in f.varlen else 'false'}}},")
     lines += ["};", ""]
     lines.append(f"const int kArchs[] = {{{', '.join(map(str, knobs.archs))}}};")
     lines.append(f"const int kHeadDims[] = {{{', '.join(map(str, knobs.head_dims))}}};")

@@ -19,5 +19,5 @@ FWD_WORKSPACE_BYTES = {80: 0, 90: 16}
 #: alignment in bytes of that scratch memory.
 FWD_WORKSPACE_ALIGN = 16
 
-#: families whose kernels take variable-length batches (cu_seqlens).
-VARLEN_ARCHS = (80,)
+#: family arch -> directions whose kernels take variable-length batches (cu_seqlens).
+VARLEN = {80: ('fwd', 'bwd'), 90: ('fwd', 'bwd')}

@@ -19,7 +19,7 @@ except ImportError as _e:  # pragma: no cover - depends on the build
 
 ENV_FORCE_ARCH = "CUTLASS_FLASH_FORCE_ARCH"
 
-from ._catalog import FAMILIES, HEAD_DIMS, VARLEN_ARCHS
+from ._catalog import FAMILIES, HEAD_DIMS, VARLEN
 
 #: Kernel families: 80 = Ampere-style (FlashAttention-2, mma.sync; runs on sm80 and newer),
 #: 90 = Hopper (wgmma/TMA; runs on sm90 only). From the generator's catalogue (_catalog.py).
@@ -221,7 +221,7 @@ def resolve_arch(requested, direction, head_dim, dtype_name, device, varlen=Fals
     """The kernel family to run: ``requested`` (80 or 90) or, for 0, auto.
 
     Auto is 90 on an sm90 GPU when this build has the sm90 kernel for (direction, head_dim,
-    dtype) and, for a variable-length batch, the sm90 family takes one (VARLEN_ARCHS), else 80.
+    dtype) and, for a variable-length batch, the sm90 family takes one (VARLEN), else 80.
     A family with no kernel of ``direction`` for ``head_dim`` is replaced by FALLBACK_ARCH, forced
     or not. Raises ValueError (not a CUDA device / bad request), RuntimeError (GPU too old, or
     sm90 kernels forced on a GPU that is not sm90), NotImplementedError (not built, or a forced
@@ -231,13 +231,14 @@ def resolve_arch(requested, direction, head_dim, dtype_name, device, varlen=Fals
     built = built_kernel_set()
     if requested in FAMILIES and head_dim not in FAMILIES[requested].get(direction, ()):
         requested = FALLBACK_ARCH
-    if varlen and requested in FAMILIES and requested not in VARLEN_ARCHS:
+    if varlen and requested in FAMILIES and direction not in VARLEN.get(requested, ()):
         raise NotImplementedError(
             f"cutlass_flash: the sm{requested} kernel family (forced) has no variable-length "
-            f"kernels yet; the sm{' / sm'.join(map(str, VARLEN_ARCHS))} family has (auto picks it)"
+            f"{direction} kernel; auto picks a family that has one"
         )
     if requested == 0:
-        if cap[0] == 9 and (90, direction, head_dim, dtype_name) in built and (not varlen or 90 in VARLEN_ARCHS):
+        if (cap[0] == 9 and (90, direction, head_dim, dtype_name) in built
+                and (not varlen or direction in VARLEN.get(90, ()))):
             return 90
         arch = 80
     elif requested in ARCHS:

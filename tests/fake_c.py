@@ -32,7 +32,7 @@ def _generator():
         spec.loader.exec_module(mod)
     return sys.modules[name]
 from cutlass_flash._catalog import DTYPES as DTYPE_NAMES, FAMILIES, FWD_WORKSPACE_ALIGN, FWD_WORKSPACE_BYTES
-from cutlass_flash._catalog import HEAD_DIMS as INSTANTIATED, VARLEN_ARCHS
+from cutlass_flash._catalog import HEAD_DIMS as INSTANTIATED, VARLEN
 
 
 def all_kernels(archs=tuple(FAMILIES), head_dims=INSTANTIATED, dtypes=DTYPE_NAMES):
@@ -213,8 +213,8 @@ class FakeC:
         assert set(kw) == set(self._KEYS) | set(self._VARLEN_KEYS), f"unexpected kwargs {sorted(kw)}"
         if bool(kw["cu_seqlens_q"]) != bool(kw["cu_seqlens_k"]):
             raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
-        if kw["cu_seqlens_q"] and kw["arch"] not in VARLEN_ARCHS:
-            raise NotImplementedError(f"fake _C: sm{kw['arch']} has no variable-length kernels")
+        if kw["cu_seqlens_q"] and direction not in VARLEN.get(kw["arch"], ()):
+            raise NotImplementedError(f"fake _C: sm{kw['arch']} has no variable-length {direction} kernel")
         if kw["head_dim"] not in INSTANTIATED:
             raise ValueError(f"head_dim {kw['head_dim']} is not instantiated")
         if kw["dtype"] not in DTYPES:

@@ -354,3 +354,21 @@ def test_tensors_on_second_gpu():
     torch.cuda.set_device(0)
     check_case(case, device="cuda:1")
     assert torch.cuda.current_device() == 0
+
+
+@pytest.mark.parametrize("arch", kernel_archs(), ids=lambda a: f"sm{a}")
+def test_softcap_after_a_call_without(arch):
+    """Calls of the same shapes with and without softcap, in turn: each gets its own (the sm90
+    launchers cache their TMA plans by shape; softcap must not come from the cache)."""
+    case = Case(2, 200, 300, 4, 2, 64, "bf16", False, arch, q_scale=4.0, softcap=5.0)
+    skip_if_not_built(case)
+    q, k, v = make_inputs(case, "cuda")
+    dout = make_dout(case, "cuda")
+    with cutlass_flash.force_arch(arch):
+        for cap in (0.0, 5.0, 0.0, 5.0):
+            out, lse = flash_attn_func(q, k, v, softcap=cap, return_lse=True)
+            grads = torch.autograd.grad(out, (q, k, v), dout)
+            ref = reference_outputs(q, k, v, dout, dtype=torch.float64, softcap=cap)
+            same = reference_outputs(q, k, v, dout, softcap=cap)
+            for name, o, s, r in zip(OUTPUT_NAMES, (out, lse) + grads, same, ref):
+                assert_within_tolerance(f"softcap={cap} {name}", o, s, r, slack=1e-3)

@@ -7,8 +7,9 @@ import torch
 import cutlass_flash
 from attn_ref import assert_within_tolerance, reference_outputs, slack
 from cutlass_flash import _validate, flash_attn_func, flash_attn_varlen_func
-from cutlass_flash._catalog import VARLEN_ARCHS
-from cases import head_dims
+from cutlass_flash._catalog import VARLEN
+from cases import Case, head_dims, kernel_archs, missing_kernels
+from gpu_check import skip_if_not_built
 
 # Issue 11's mix: lengths 1, 17, 128, 1000, 4097, an empty sequence; keys differ from queries.
 LENGTHS_Q = (1, 17, 0, 128, 1000, 4097)
@@ -60,7 +61,8 @@ def test_varlen_matches_dense_per_sequence(fake_backend, mask):
     q, k, v, dout, cu_q, cu_k = packed(lq, lk, 4, 2, 40, torch.bfloat16, "cpu")
     out, lse, dq, dk, dv = _run(q, k, v, dout, cu_q, cu_k, lq, lk, **mask)
     assert out.shape == q.shape and lse.shape == (4, sum(lq)) and dk.shape == k.shape
-    assert fake_backend.archs_called() == [VARLEN_ARCHS[0]] * 2  # auto: a family with varlen
+    # auto: on the fake's sm90 GPU the sm90 family where it has variable-length kernels
+    assert fake_backend.archs_called() == [90 if d in VARLEN[90] else 80 for d in ("fwd", "bwd")]
     for b, (nq, nk) in enumerate(zip(lq, lk)):
         sq = slice(int(cu_q[b]), int(cu_q[b + 1]))
         sk = slice(int(cu_k[b]), int(cu_k[b + 1]))
@@ -94,14 +96,23 @@ def test_varlen_empty_longest(fake_backend):
     assert fake_backend.calls == []
 
 
-def test_varlen_forced_family_without_varlen(fake_backend):
-    no_varlen = [a for a in (80, 90) if a not in VARLEN_ARCHS]
-    if not no_varlen:
-        pytest.skip("every family takes variable-length batches")
+@pytest.mark.parametrize("arch", [80, 90])
+def test_varlen_on_each_family(fake_backend, arch):
+    """Forced to a family: it runs there, or raises NotImplementedError where that family has no
+    variable-length kernel of a direction (cutlass_flash._catalog.VARLEN)."""
     q, k, v, dout, cu_q, cu_k = packed(SMALL_Q, SMALL_K, 2, 2, 64, torch.bfloat16, "cpu")
-    with cutlass_flash.force_arch(no_varlen[0]):
-        with pytest.raises(NotImplementedError, match="no variable-length kernels"):
-            flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(SMALL_Q), max(SMALL_K))
+    with cutlass_flash.force_arch(arch):
+        if "fwd" not in VARLEN[arch]:
+            with pytest.raises(NotImplementedError, match="no variable-length fwd kernel"):
+                flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(SMALL_Q), max(SMALL_K))
+            return
+        out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(SMALL_Q), max(SMALL_K))
+        if "bwd" not in VARLEN[arch]:
+            with pytest.raises(NotImplementedError, match="no variable-length bwd kernel"):
+                torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+            return
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert fake_backend.archs_called() == [arch, arch]
 
 
 def _bad_calls():
@@ -186,17 +197,20 @@ def _mask(causal, window, max_k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("arch", kernel_archs(), ids=lambda a: f"sm{a}")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("head_dim", head_dims())
 @pytest.mark.parametrize("causal, window", [(False, (-1, -1)), (True, (-1, -1)), (False, (300, 0))],
                          ids=["nomask", "causal", "w300_0"])
-def test_varlen_accuracy(dtype, head_dim, causal, window):
+def test_varlen_accuracy(arch, dtype, head_dim, causal, window):
     if dtype == torch.float16 and head_dim not in (64, 128):
         pytest.skip("fp16: two head dims suffice (the dtype changes no addressing)")
+    skip_if_not_built(Case(1, 1, 1, 4, 2, head_dim, "bf16" if dtype == torch.bfloat16 else "fp16", causal, arch))
     lq, lk = LENGTHS_Q, LENGTHS_K
     torch.full((64 << 20,), float("nan"), device="cuda")  # poison the caching allocator
     q, k, v, dout, cu_q, cu_k = packed(lq, lk, 4, 2, head_dim, dtype, "cuda", seed=head_dim)
-    ours = _run(q, k, v, dout, cu_q, cu_k, lq, lk, causal=causal, window_size=window)
+    with cutlass_flash.force_arch(arch):
+        ours = _run(q, k, v, dout, cu_q, cu_k, lq, lk, causal=causal, window_size=window)
     mask = _mask(causal, window, max(lk))
     ref = _reference(q, k, v, dout, cu_q, cu_k, lq, lk, torch.float64, mask)
     same = _reference(q, k, v, dout, cu_q, cu_k, lq, lk, None, mask)
@@ -205,34 +219,45 @@ def test_varlen_accuracy(dtype, head_dim, causal, window):
         assert_within_tolerance(f"varlen d={head_dim} {name}", o, s, r, slack=slack(name, rows_per_key, head_dim))
 
 
+def _a_built_head_dim():
+    for d in head_dims():
+        if not missing_kernels(Case(1, 1, 1, 4, 2, d, "bf16", False, 0)):
+            return d
+    pytest.skip("no bf16 kernel of a family with variable-length batches in this build")
+
+
 @pytest.mark.gpu
-def test_varlen_deterministic_alone_and_in_batch():
+@pytest.mark.parametrize("arch", kernel_archs(), ids=lambda a: f"sm{a}")
+def test_varlen_deterministic_alone_and_in_batch(arch):
     """deterministic=True: bit-identical over runs, and one sequence's gradients the same bits
     alone as inside the packed batch."""
-    dims = head_dims()
     lq, lk = (300, 1000, 77), (900, 1000, 500)
-    q, k, v, dout, cu_q, cu_k = packed(lq, lk, 4, 2, dims[0], torch.bfloat16, "cuda", seed=1)
-    first = _run(q, k, v, dout, cu_q, cu_k, lq, lk, causal=True, deterministic=True)
-    again = _run(q, k, v, dout, cu_q, cu_k, lq, lk, causal=True, deterministic=True)
+    q, k, v, dout, cu_q, cu_k = packed(lq, lk, 4, 2, _a_built_head_dim(), torch.bfloat16, "cuda", seed=1)
+    with cutlass_flash.force_arch(arch):
+        first = _run(q, k, v, dout, cu_q, cu_k, lq, lk, causal=True, deterministic=True)
+        again = _run(q, k, v, dout, cu_q, cu_k, lq, lk, causal=True, deterministic=True)
     for a, b in zip(first, again):
         assert torch.equal(a, b)
     sq, sk = slice(300, 1300), slice(900, 1900)
     qa, ka, va = (t.detach()[s].clone().requires_grad_() for t, s in ((q, sq), (k, sk), (v, sk)))
-    alone = _run(qa, ka, va, dout[sq], _cu((1000,), "cuda"), _cu((1000,), "cuda"), (1000,), (1000,),
-                 causal=True, deterministic=True)
+    with cutlass_flash.force_arch(arch):
+        alone = _run(qa, ka, va, dout[sq], _cu((1000,), "cuda"), _cu((1000,), "cuda"), (1000,), (1000,),
+                     causal=True, deterministic=True)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), first, alone):
         part = a[:, sq] if name == "lse" else a[sk if name in ("dk", "dv") else sq]
         assert torch.equal(part, b), f"{name} of sequence 1 differs alone and in the batch"
 
 
 @pytest.mark.gpu
-def test_varlen_bad_cu_seqlens_stay_in_bounds():
+@pytest.mark.parametrize("arch", kernel_archs(), ids=lambda a: f"sm{a}")
+def test_varlen_bad_cu_seqlens_stay_in_bounds(arch):
     """cu_seqlens past the tensors, decreasing or not starting at 0: the kernels clamp, so the
     call completes without a CUDA error (compute-sanitizer's memcheck would name any stray
     access: benchmarks/sanitize_small.py)."""
-    q, k, v, dout, cu_q, cu_k = packed((100, 200), (150, 50), 2, 2, head_dims()[0], torch.bfloat16, "cuda")
+    q, k, v, dout, cu_q, cu_k = packed((100, 200), (150, 50), 2, 2, _a_built_head_dim(), torch.bfloat16, "cuda")
     for bad in ([0, 100, 100000], [50, 10, 300], [-7, 300, 200]):
         cu = torch.tensor(bad, dtype=torch.int32, device="cuda")
-        out = flash_attn_varlen_func(q, k, v, cu, cu, 200, 150)
-        torch.autograd.grad(out, (q, k, v), dout)
+        with cutlass_flash.force_arch(arch):
+            out = flash_attn_varlen_func(q, k, v, cu, cu, 200, 150)
+            torch.autograd.grad(out, (q, k, v), dout)
         torch.cuda.synchronize()

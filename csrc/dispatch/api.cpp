@@ -208,9 +208,9 @@ Status check_problem(const AttnProblem& p, int arch, Direction dir) {
   if (fam == nullptr)
     return make(Status::kInvalidArgument, prefix(dir) + "unknown kernel family arch = " +
                                               to_string(arch) + " (known: " + known_families() + ")");
-  if (p.is_varlen() && !fam->varlen)
+  if (p.is_varlen() && !(dir == Direction::kForward ? fam->varlen_fwd : fam->varlen_bwd))
     return make(Status::kNotBuilt, prefix(dir) + "the sm" + to_string(arch) +
-                                       " family has no variable-length kernels yet (cu_seqlens); the sm80 family has");
+                                       " family has no variable-length " + direction_word(dir) + " kernel (cu_seqlens)");
   if (!contains(fam->head_dims, fam->num_head_dims, p.head_dim))
     return make(Status::kInvalidArgument,
                 prefix(dir) + "head_dim = " + to_string(p.head_dim) +

@@ -31,7 +31,8 @@ struct CatalogFamily {
   size_t num_head_dims;
   const char* sass_knob;  // e.g. "CUTLASS_FLASH_SM80_SASS"
   size_t fwd_workspace_bytes;
-  bool varlen;  // takes variable-length batches (AttnProblem::cu_seqlens_q / _k)
+  bool varlen_fwd;  // the forward takes variable-length batches (AttnProblem::cu_seqlens_q / _k)
+  bool varlen_bwd;  // the backward does
 };
 
 // A build knob as it was set for this build ("CUTLASS_FLASH_HEAD_DIMS", "64,128").

@@ -38,13 +38,19 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
   const TileCoord tile = Scheduler::get(/*longest_first=*/false);
   const int n_block = tile.block, head_kv = tile.head;
   // Built after each role's setmaxnreg: values live across it are spilled (forward, entry 16).
+  // The mask is the sequence's (variable-length batches: per-sequence lengths, SeqInfo); a key
+  // block past its sequence's keys has no steps.
+  auto make_mask = [&] {
+    const SeqInfo seq(p, tile.batch);
+    return WindowMask(seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right);
+  };
   auto make_steps = [&](const WindowMask& mask) {
     const int group = p.nheads / p.nheads_kv;
     BwdSteps steps{tile.batch, head_kv * group, group, 0, 0};
     mask.m_block_range<kBlockM, kBlockN>(n_block, steps.m_min, steps.m_max);
+    if (n_block * kBlockN >= mask.seqlen_k) steps.m_max = steps.m_min;
     return steps;
   };
-  auto make_mask = [&] { return WindowMask(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right); };
 
   if (threadIdx.x == 0) {
     prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());

@@ -26,10 +26,10 @@ BwdKernelParams<Traits> make_bwd_kernel_params(const BwdParams& params) {
   const AttnProblem& p = params.problem;
   BwdKernelParams<Traits> kp{};
   kp.problem = p;
-  auto q = gmem_tensor<const Element>(params.q, p.seqlen_q, p, p.nheads);
-  auto dout = gmem_tensor<const Element>(params.dout, p.seqlen_q, p, p.nheads);
-  auto k = gmem_tensor<const Element>(params.k, p.seqlen_k, p, p.nheads_kv);
-  auto v = gmem_tensor<const Element>(params.v, p.seqlen_k, p, p.nheads_kv);
+  auto q = gmem_tensor<const Element>(params.q, true, p);
+  auto dout = gmem_tensor<const Element>(params.dout, true, p);
+  auto k = gmem_tensor<const Element>(params.k, false, p);
+  auto v = gmem_tensor<const Element>(params.v, false, p);
   auto smem_q = take<0, 2>(typename Traits::SmemLayoutQ{});
   kp.tma_q = make_tma_copy(SM90_TMA_LOAD{}, q, smem_q, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{});
   kp.tma_do = make_tma_copy(SM90_TMA_LOAD{}, dout, smem_q, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{});
@@ -48,6 +48,9 @@ BwdKernelParams<Traits> bwd_kernel_params(const BwdParams& params) {
         return replace_address(kp.tma_q, params.q.ptr) && replace_address(kp.tma_do, params.dout.ptr) &&
                replace_address(kp.tma_k, params.k.ptr) && replace_address(kp.tma_v, params.v.ptr);
       });
+  // Every per-call field is set here, not taken from the cached plan: the plan's key holds only
+  // what the descriptors depend on (a cached softcap or cu_seqlens pointer would be stale).
+  kp.problem = params.problem;
   const BwdWorkspace ws = bwd_workspace_layout(params.problem, params.deterministic);
   char* workspace = static_cast<char*>(params.workspace);
   kp.dk = params.dk;

@@ -82,10 +82,11 @@ struct BwdMainloop {
   __device__ static void load_kv(const Params& params, typename Traits::SharedStorage& shared, const BwdSteps& steps,
                                  int n_block, int head_kv) {
     const AttnProblem& p = params.problem;
-    Tensor mK = params.tma_k.get_tma_tensor(make_shape(p.seqlen_k, p.head_dim, p.nheads_kv, p.batch));
-    Tensor mV = params.tma_v.get_tma_tensor(make_shape(p.seqlen_k, p.head_dim, p.nheads_kv, p.batch));
-    Tensor gK = local_tile(mK(_, _, head_kv, steps.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
-    Tensor gV = local_tile(mV(_, _, head_kv, steps.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
+    const SeqInfo seq(p, steps.batch);
+    Tensor gK = local_tile(sequence_rows<false>(params.tma_k, p, seq, head_kv), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                           make_coord(n_block, _0{}));
+    Tensor gV = local_tile(sequence_rows<false>(params.tma_v, p, seq, head_kv), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                           make_coord(n_block, _0{}));
     Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKV{});
     Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutKV{});
     auto [tKgK, tKsK] = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
@@ -101,14 +102,14 @@ struct BwdMainloop {
   template <typename Tma>
   __device__ static void load_rows(const Tma& tma, const AttnProblem& p, int64_t rows_per_head, Pipeline& pipeline,
                                    Element* smem, float* smem_stats, const float* stats, const BwdSteps& steps) {
-    Tensor m = tma.get_tma_tensor(make_shape(p.seqlen_q, p.head_dim, p.nheads, p.batch));
+    const SeqInfo seq(p, steps.batch);
     Tensor s = make_tensor(make_smem_ptr(smem), typename Traits::SmemLayoutQ{});
     PipelineState st = cutlass::make_producer_start_state<Pipeline>();
 #pragma unroll 1
     for (int h = steps.head_begin; h < steps.head_begin + steps.heads; ++h) {
-      Tensor g = local_tile(m(_, _, h, steps.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+      Tensor g = local_tile(sequence_rows<true>(tma, p, seq, h), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
       auto [tg, ts] = tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
-      const float* row_stats = stats + SeqInfo(p, steps.batch).workspace_row(p, rows_per_head, h);
+      const float* row_stats = stats + seq.workspace_row(p, rows_per_head, h);
 #pragma unroll 1
       for (int mb = steps.m_max - 1; mb >= steps.m_min; --mb) {
         pipeline.producer_acquire(st);

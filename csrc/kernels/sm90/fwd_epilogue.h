@@ -36,15 +36,38 @@ struct FwdEpilogue {
     typename Traits::TiledMmaPV mma_pv;
     Tensor tOcO = rowcol_view(mma_pv.get_thread_slice(tid).partition_C(
         make_identity_tensor(Shape<_64, Int<kHeadDim>>{})));
+    const SeqInfo seq(p, tile.batch);
     const int first_row = tile.block * kBlockM + wg * 64;
-    const int rows_left = p.seqlen_q - first_row;
-    float* out = params.lse + SeqInfo(p, tile.batch).lse_row(p, tile.head) + first_row;
+    const int rows_left = seq.seqlen_q - first_row;
+    float* out = params.lse + seq.lse_row(p, tile.head) + first_row;
     if (tid % 4 == 0) {
       CUTE_UNROLL
       for (int mi = 0; mi < size(lse); ++mi) {
         const int row = get<0>(tOcO(mi, 0));
         if (row < rows_left) out[row] = lse(mi);
       }
+    }
+  }
+
+  // Variable-length batches: O from registers with a row predicate, since a TMA store of the
+  // 64-row slab would write the next sequence's first rows (clipped only at the tensor's end).
+  template <typename Params, typename AccO>
+  __device__ __forceinline__ static void store_rows(const Params& params, const TileCoord& tile, const AccO& acc_o,
+                                                    int wg, int tid) {
+    const AttnProblem& p = params.problem;
+    const SeqInfo seq(p, tile.batch);
+    const int first_row = tile.block * kBlockM + wg * 64;
+    const int rows_left = seq.seqlen_q - first_row;
+    typename Traits::TiledMmaPV mma_pv;
+    auto thr = mma_pv.get_thread_slice(tid);
+    Element* o = seq.q_rows<Element>(p, params.o, tile.head) + int64_t(first_row) * params.o.row_stride;
+    Tensor tOgO = thr.partition_C(make_tensor(make_gmem_ptr(o), make_shape(_64{}, Int<kHeadDim>{}),
+                                              make_stride(params.o.row_stride, _1{})));
+    Tensor tOcO = thr.partition_C(make_identity_tensor(Shape<_64, Int<kHeadDim>>{}));
+    Tensor rO = convert_type<Element>(acc_o);
+    CUTE_UNROLL
+    for (int i = 0; i < size(rO); ++i) {
+      if (get<0>(tOcO(i)) < rows_left) tOgO(i) = rO(i);
     }
   }
 
@@ -56,6 +79,15 @@ struct FwdEpilogue {
     const AttnProblem& p = params.problem;
     const bool leader = tid == 0;
     const int barrier = int(FwdBarrier::kEpilogueWG1) + wg;
+    if (p.is_varlen()) {
+      store_rows(params, tile, acc_o, wg, tid);
+      store_lse(params, tile, lse, wg, tid);
+      if constexpr (Traits::kOAliasesQ) {  // as below, without the slab: Q is free
+        cutlass::arch::NamedBarrier::sync(128, barrier);
+        shared.q_empty.arrive();
+      }
+      return;
+    }
     typename Traits::TiledMmaPV mma_pv;
     auto copy_o = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_pv);
     auto thr_copy = copy_o.get_thread_slice(tid);
@@ -92,15 +124,17 @@ struct FwdEpilogue {
     }
   }
 
-  // A tile whose rows see no key (causal with seqlen_q > seqlen_k): O = 0 and lse = +inf, stored
-  // directly. It does not touch shared memory, where the producer may already be loading the next
-  // tile's Q.
+  // A tile whose rows see no key (causal with seqlen_q > seqlen_k, or past a shorter sequence of a
+  // variable-length batch): O = 0 and lse = +inf, stored directly. It does not touch shared
+  // memory, where the producer may already be loading the next tile's Q. Not inlined: inlined,
+  // its addressing kept 3 values of the consumer live across the tile loop and spilled 12 B at
+  // d = 256 (a rare path; the call costs nothing on tiles with keys).
   template <typename Params>
-  __device__ __forceinline__ static void store_empty(const Params& params, const TileCoord& tile, int tid) {
+  __device__ __noinline__ static void store_empty(const Params& params, const TileCoord& tile, int tid) {
     const AttnProblem& p = params.problem;
     constexpr int kChunks = kHeadDim * int(sizeof(Element)) / 16;  // 16-byte chunks per row
-    const int rows_left = p.seqlen_q - tile.block * kBlockM;
     const SeqInfo seq(p, tile.batch);
+    const int rows_left = seq.seqlen_q - tile.block * kBlockM;
     Element* o = seq.q_rows<Element>(p, params.o, tile.head);
     for (int i = tid; i < kBlockM * kChunks; i += Traits::kNMmaThreads) {
       const int row = i / kChunks;

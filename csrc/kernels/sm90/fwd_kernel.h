@@ -34,9 +34,16 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
 
   const AttnProblem& p = params.problem;
   const int warp_group = cutlass::canonical_warp_group_idx();
-  // The mask and the tile order are built after each role's setmaxnreg, not here: values live
-  // across it were spilled at d = 256.
-  auto make_mask = [&] { return WindowMask(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right); };
+  // The masks and the tile order are built after each role's setmaxnreg, not here: values live
+  // across it were spilled at d = 256. A tile's mask is its sequence's (variable-length batches:
+  // per-sequence lengths, SeqInfo); a tile past its sequence's queries gets no key blocks.
+  auto tile_mask = [&](const TileCoord& tile, int& n_min, int& n_max) {
+    const SeqInfo seq(p, tile.batch);
+    const WindowMask mask(seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right);
+    mask.n_block_range<kBlockM, kBlockN>(tile.block, n_min, n_max);
+    if (tile.block * kBlockM >= seq.seqlen_q) n_max = n_min;
+    return mask;
+  };
 
   if (threadIdx.x == 0) {
     prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
@@ -67,14 +74,13 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
         if (w.n_min < w.n_max) Mainloop::load_kv(params, shared, pipeline_k, pipeline_v, state, w.coord, w.n_min, w.n_max);
       }
     } else if (threadIdx.x == 32) {  // tile thread
-      const WindowMask mask = make_mask();
       const PersistentTileScheduler order = Scheduler::order(params.scheduler, p);
       for (int i = 0, t = Scheduler::first();; ++i, t = Scheduler::next(params.scheduler)) {
         const bool valid = t < order.num_tiles;
         TileWork w{{-1, 0, 0}, 0, 0};
         if (valid) {
           w.coord = order.coord(t);
-          mask.n_block_range<kBlockM, kBlockN>(w.coord.block, w.n_min, w.n_max);
+          tile_mask(w.coord, w.n_min, w.n_max);
         }
         Scheduler::hand_over(shared.scheduler, i, w);
         Mainloop::publish(params, shared, i, t, w.coord, valid && w.n_min < w.n_max);
@@ -83,7 +89,6 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
-    const WindowMask mask = make_mask();
     const PersistentTileScheduler order = Scheduler::order(params.scheduler, p);
     const int wg = warp_group - 1, tid = int(threadIdx.x) % 128;
     const WarpScheduler<Traits::kNMmaWarpGroups> ping_pong{wg};
@@ -93,7 +98,7 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
     for (int t = Mainloop::receive(shared, state); t < order.num_tiles; t = Mainloop::receive(shared, state)) {
       const TileCoord tile = order.coord(t);
       int n_min, n_max;
-      mask.n_block_range<kBlockM, kBlockN>(tile.block, n_min, n_max);
+      const WindowMask mask = tile_mask(tile, n_min, n_max);
       if (n_min >= n_max) {
         Epilogue::store_empty(params, tile, int(threadIdx.x) - 128);
         Epilogue::release_q(shared);  // as a tile with keys would

@@ -25,10 +25,10 @@ FwdKernelParams<Traits> make_fwd_kernel_params(const FwdParams& params) {
   kp.o = params.o;
   kp.lse = params.lse;
   kp.scheduler.num_m_blocks = ceil_div(p.seqlen_q, Traits::kBlockM);
-  auto q = gmem_tensor<const Element>(params.q, p.seqlen_q, p, p.nheads);
-  auto k = gmem_tensor<const Element>(params.k, p.seqlen_k, p, p.nheads_kv);
-  auto v = gmem_tensor<const Element>(params.v, p.seqlen_k, p, p.nheads_kv);
-  auto o = gmem_tensor<Element>(params.o, p.seqlen_q, p, p.nheads);
+  auto q = gmem_tensor<const Element>(params.q, true, p);
+  auto k = gmem_tensor<const Element>(params.k, false, p);
+  auto v = gmem_tensor<const Element>(params.v, false, p);
+  auto o = gmem_tensor<Element>(params.o, true, p);
   kp.tma_q = make_tma_copy(SM90_TMA_LOAD{}, q, typename Traits::SmemLayoutSlab{}, Shape<_64, Int<kHeadDim>>{}, _1{});
   kp.tma_k = make_tma_copy(SM90_TMA_LOAD{}, k, take<0, 2>(typename Traits::SmemLayoutK{}),
                            Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
@@ -45,6 +45,9 @@ FwdKernelParams<Traits> fwd_kernel_params(const FwdParams& params) {
   return cached_kernel_params<FwdKernelParams<Traits>>(
       key, [&] { return make_fwd_kernel_params<Traits>(params); },
       [&](FwdKernelParams<Traits>& kp) {
+        // Per-call fields: the plan's key holds only what the descriptors depend on (softcap and
+        // the cu_seqlens pointers of a cached problem would be stale).
+        kp.problem = params.problem;
         kp.o = params.o;
         kp.lse = params.lse;
         return replace_address(kp.tma_q, params.q.ptr) && replace_address(kp.tma_k, params.k.ptr) &&

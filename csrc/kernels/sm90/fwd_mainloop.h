@@ -79,9 +79,9 @@ struct FwdMainloop {
     }
     shared.q_full.arrive_and_expect_tx(Traits::kQBytes);
     const AttnProblem& p = params.problem;
-    Tensor mQ = params.tma_q.get_tma_tensor(make_shape(p.seqlen_q, p.head_dim, p.nheads, p.batch));
     // Q as 64-row slabs, one per consumer warpgroup: (64, d, slab)
-    Tensor gQ = local_tile(mQ(_, _, tile.head, tile.batch), Shape<_64, Int<kHeadDim>>{}, make_coord(_, _0{}));
+    Tensor gQ = local_tile(sequence_rows<true>(params.tma_q, p, SeqInfo(p, tile.batch), tile.head),
+                           Shape<_64, Int<kHeadDim>>{}, make_coord(_, _0{}));
     Tensor sQ = make_tensor(make_smem_ptr(shared.qo.data()), typename Traits::SmemLayoutSlab{});
     auto [tQgQ, tQsQ] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
     CUTE_UNROLL
@@ -107,10 +107,11 @@ struct FwdMainloop {
                                                  const TileCoord& tile, int n_min, int n_max) {
     const AttnProblem& p = params.problem;
     const int head_kv = tile.head / (p.nheads / p.nheads_kv);
-    Tensor mK = params.tma_k.get_tma_tensor(make_shape(p.seqlen_k, p.head_dim, p.nheads_kv, p.batch));
-    Tensor mV = params.tma_v.get_tma_tensor(make_shape(p.seqlen_k, p.head_dim, p.nheads_kv, p.batch));
-    Tensor gK = local_tile(mK(_, _, head_kv, tile.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
-    Tensor gV = local_tile(mV(_, _, head_kv, tile.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+    const SeqInfo seq(p, tile.batch);
+    Tensor gK = local_tile(sequence_rows<false>(params.tma_k, p, seq, head_kv), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                           make_coord(_, _0{}));
+    Tensor gV = local_tile(sequence_rows<false>(params.tma_v, p, seq, head_kv), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                           make_coord(_, _0{}));
     Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutV{});
     auto [tKgK, tKsK] = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));

@@ -31,12 +31,16 @@ Status check_tma_ref(const TensorRef4& t, const char* name, const char* directio
                                         " must be 16-byte aligned with strides that are multiples of 16 bytes"};
 }
 
-// (seqlen, d, head, batch) view of a tensor, the order the kernels' TMA copies index.
+// (seqlen, d, head, batch) view of a query-side (kQuery) or key-side tensor, the order the
+// kernels' TMA copies index; (total, d, head, 1) for a variable-length batch (sequence_rows).
 template <typename Element>
-auto gmem_tensor(const TensorRef4& t, int seqlen, const AttnProblem& p, int nheads) {
+auto gmem_tensor(const TensorRef4& t, bool query_side, const AttnProblem& p) {
   using namespace cute;
+  const int rows = p.is_varlen() ? (query_side ? p.total_q : p.total_k) : (query_side ? p.seqlen_q : p.seqlen_k);
+  const int nheads = query_side ? p.nheads : p.nheads_kv;
   return make_tensor(make_gmem_ptr(static_cast<Element*>(t.ptr)),
-                     make_layout(make_shape(int32_t(seqlen), int32_t(p.head_dim), int32_t(nheads), int32_t(p.batch)),
+                     make_layout(make_shape(int32_t(rows), int32_t(p.head_dim), int32_t(nheads),
+                                            int32_t(p.is_varlen() ? 1 : p.batch)),
                                  make_stride(t.row_stride, _1{}, t.head_stride, t.batch_stride)));
 }
 
@@ -63,7 +67,9 @@ bool replace_address(Tma& tma, const void* ptr) {
   return tensor_map_replace_address()(desc, const_cast<void*>(ptr)) == CUDA_SUCCESS;
 }
 
-// What N descriptors depend on besides their base addresses: the problem and the strides.
+// What N descriptors depend on besides their base addresses: the problem's shapes and the
+// strides. The launchers set every other field of the kernel parameters (the problem included)
+// on each call.
 template <int N>
 struct TmaPlanKey {
   AttnProblem problem;
@@ -81,6 +87,7 @@ struct TmaPlanKey {
     return a.batch == b.batch && a.seqlen_q == b.seqlen_q && a.seqlen_k == b.seqlen_k && a.nheads == b.nheads &&
            a.nheads_kv == b.nheads_kv && a.head_dim == b.head_dim && a.softmax_scale == b.softmax_scale &&
            a.window_left == b.window_left && a.window_right == b.window_right && a.dtype == b.dtype &&
+           a.is_varlen() == b.is_varlen() && a.total_q == b.total_q && a.total_k == b.total_k &&
            std::memcmp(strides, o.strides, sizeof(strides)) == 0;
   }
 };

@@ -1,9 +1,12 @@
-// wgmma helpers: issuing a GEMM as one batch, and views of the accumulator registers.
+// wgmma helpers: issuing a GEMM as one batch, and views of the accumulator registers; the TMA
+// coordinates of one sequence.
 #pragma once
 
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_conversion.h>
 
+#include "cutlass_flash/params.h"
+#include "kernels/common/block_info.h"
 #include "kernels/common/convert.h"
 
 namespace cutlass_flash::sm90 {
@@ -124,6 +127,18 @@ __device__ __forceinline__ void red_add(float4* dst, float4 v) {
 // Orders the async proxy's global accesses (bulk reduce-adds) against the generic proxy's.
 __device__ __forceinline__ void fence_proxy_async_global() {
   asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+// The TMA coordinate tensor of (sequence seq, head) of a query-side (kQuery) or key-side tensor
+// as (rows, d): the descriptor's (seqlen, d, head, batch), or for a variable-length batch its
+// (total, d, head, 1) from the sequence's first row (tma_plan.h, gmem_tensor). Loads past the
+// sequence read the next one's rows, which the mask and the per-sequence lengths leave unused.
+template <bool kQuery, typename Tma>
+__device__ __forceinline__ auto sequence_rows(const Tma& tma, const AttnProblem& p, const SeqInfo& seq, int head) {
+  const bool varlen = p.is_varlen();
+  const int rows = varlen ? (kQuery ? p.total_q : p.total_k) : (kQuery ? p.seqlen_q : p.seqlen_k);
+  Tensor m = tma.get_tma_tensor(make_shape(rows, p.head_dim, kQuery ? p.nheads : p.nheads_kv, varlen ? 1 : p.batch));
+  return domain_offset(make_coord(kQuery ? seq.q_start : seq.k_start, _0{}), m(_, _, head, varlen ? 0 : seq.batch));
 }
 
 }  // namespace cutlass_flash::sm90
