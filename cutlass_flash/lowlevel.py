@@ -9,15 +9,21 @@ buffers the caller passes. Same names, argument order and results as `flash_attn
     _flash_attn_backward(dout, q, k, v, out, lse, dq, dk, dv, 0.0, scale, True, -1, -1, 0.0,
                          None, False)
 
-No autograd: these run the kernels directly (eager; torch.compile sees them as opaque calls). The
-variable-length twins come with variable-length batches.
+and their variable-length twins `_flash_attn_varlen_forward` / `_flash_attn_varlen_backward`
+(cu_seqlens_q may differ from cu_seqlens_k). No autograd: these run the kernels directly (eager;
+torch.compile sees them as opaque calls).
 """
 
 import torch
 
 from . import _dispatch, _ops, _validate
 
-__all__ = ["_flash_attn_forward", "_flash_attn_backward"]
+__all__ = ["_flash_attn_forward", "_flash_attn_backward", "_flash_attn_varlen_forward",
+           "_flash_attn_varlen_backward"]
+
+# FlashAttention-2 returns softmax_d with its rows padded: to a multiple of this per (batch, head)
+# when dense, and by this many rows per sequence when packed.
+_SOFTMAX_D_PAD = 128
 
 
 def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left=-1,
@@ -71,7 +77,63 @@ def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p,
                                 softmax_lse, scale, left, right, _dispatch._forced_arch,
                                 deterministic, dq, dk, dv, softcap=float(softcap))
     batch, seqlen_q, nheads, _ = q.shape
-    rounded = -(-seqlen_q // 128) * 128
+    rounded = -(-seqlen_q // _SOFTMAX_D_PAD) * _SOFTMAX_D_PAD
     softmax_d = torch.zeros((batch, nheads, rounded), dtype=torch.float32, device=q.device)
     softmax_d[..., :seqlen_q] = (dout.float() * out.float()).sum(-1).transpose(1, 2)
     return softmax_d
+
+
+def _unsupported_varlen(block_table=None, leftpad_k=None, seqused_k=None):
+    for name, value in (("block_table", block_table), ("leftpad_k", leftpad_k), ("seqused_k", seqused_k)):
+        if value is not None:
+            raise NotImplementedError(f"cutlass_flash: {name} is not supported yet (pass None)")
+
+
+def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               dropout_p, softmax_scale, causal, window_size_left=-1,
+                               window_size_right=-1, softcap=0.0, alibi_slopes=None,
+                               return_softmax=False, block_table=None, leftpad_k=None,
+                               seqused_k=None, zero_tensors=False):
+    """(out, softmax_lse, S_dmask, rng_state) of a packed batch, as FlashAttention-2's: q
+    (total_q, nheads, d), k / v (total_k, nheads_kv, d), out like q, softmax_lse float32
+    (nheads, total_q). zero_tensors is accepted and ignored (as in FlashAttention-2's kernels)."""
+    scale, left, right, max_q, max_k = _validate.check_varlen_call(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+        causal, (window_size_left, window_size_right), softcap, alibi_slopes, False)
+    _unsupported_varlen(block_table, leftpad_k, seqused_k)
+    if return_softmax:
+        raise NotImplementedError("cutlass_flash: return_softmax=True is not supported")
+    out, lse = _ops._varlen_fwd_impl(q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k,
+                                     max_q, max_k, scale, left, right, _dispatch._forced_arch,
+                                     softcap=float(softcap))
+    return out, lse, q.new_empty((0,)), torch.empty((0,), dtype=torch.int64, device=q.device)
+
+
+def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q,
+                                cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                                causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
+                                alibi_slopes=None, deterministic=False, rng_state=None,
+                                zero_tensors=False):
+    """Writes the gradients of a packed batch into dq, dk, dv (new tensors where None) and returns
+    softmax_d, float32 (nheads, total_q + 128 * batch) with sequence b's rows from
+    cu_seqlens_q[b] + 128 * b, as FlashAttention-2's. out and softmax_lse are taken as given."""
+    scale, left, right, max_q, max_k = _validate.check_varlen_call(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+        causal, (window_size_left, window_size_right), softcap, alibi_slopes, deterministic)
+    for name, t in (("dout", dout), ("out", out)):
+        if not isinstance(t, torch.Tensor) or t.shape != q.shape or t.dtype != q.dtype:
+            raise ValueError(f"{name} must be a tensor like q ({tuple(q.shape)} {q.dtype})")
+    for name, buf, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        _check_grad_buffer(name, buf, like)
+    _ops._varlen_bwd_impl(dout.detach(), q.detach(), k.detach(), v.detach(), out.detach(),
+                          softmax_lse, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, left, right,
+                          _dispatch._forced_arch, deterministic, dq, dk, dv, softcap=float(softcap))
+    total_q, nheads, _ = q.shape
+    batch = cu_seqlens_q.shape[0] - 1
+    rows = torch.arange(total_q, device=q.device)
+    # Each row's sequence without a synchronisation: the number of sequence ends at or before it.
+    seq = torch.searchsorted(cu_seqlens_q[1:].to(torch.int64), rows, right=True)
+    softmax_d = torch.zeros((nheads, total_q + _SOFTMAX_D_PAD * batch), dtype=torch.float32, device=q.device)
+    softmax_d[:, rows + _SOFTMAX_D_PAD * seq] = (dout.float() * out.float()).sum(-1).t()
+    return softmax_d
+

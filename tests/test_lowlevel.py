@@ -118,7 +118,8 @@ def test_backward_buffer_checks(fake_backend):
                              None, False)
     with pytest.raises(ValueError, match=r"dout must be a tensor like q"):
         _flash_attn_backward(q[:, :4], q, q, q, out, lse, None, None, None, 0.0, None, False)
-    assert cutlass_flash.lowlevel.__all__ == ["_flash_attn_forward", "_flash_attn_backward"]
+    assert cutlass_flash.lowlevel.__all__ == ["_flash_attn_forward", "_flash_attn_backward",
+                                              "_flash_attn_varlen_forward", "_flash_attn_varlen_backward"]
 
 
 def test_buffers_the_kernels_cannot_write_are_filled_by_a_copy(fake_backend):
@@ -136,3 +137,45 @@ def test_buffers_the_kernels_cannot_write_are_filled_by_a_copy(fake_backend):
     grads = torch.autograd.grad(flash_attn_func(*leaves), leaves, dout)
     for name, buf, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), grads):
         assert torch.equal(buf, ref), name
+
+
+def _varlen_pair_check(device):
+    """The varlen pair on a packed batch gives, per sequence, the dense pair's results, and
+    softmax_d in FlashAttention-2's varlen layout (sequence b from cu_seqlens_q[b] + 128 b)."""
+    from cutlass_flash.lowlevel import _flash_attn_varlen_backward, _flash_attn_varlen_forward
+
+    lq, lk = (5, 0, 17, 9), (7, 3, 17, 1)
+    g = torch.Generator().manual_seed(3)
+    q, k, v, dout = (torch.randn(sum(n), h, 64, generator=g).to(device, torch.bfloat16)
+                     for n, h in ((lq, 4), (lk, 2), (lk, 2), (lq, 4)))
+    cu_q = torch.tensor([0, 5, 5, 22, 31], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 7, 10, 27, 28], dtype=torch.int32, device=device)
+    out, lse, _, _ = _flash_attn_varlen_forward(q, k, v, cu_q, cu_k, 17, 17, 0.0, None, True)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    d = _flash_attn_varlen_backward(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, 17, 17, 0.0, None, True)
+    assert d.shape == (4, sum(lq) + 128 * 4)
+    for b in range(4):
+        sq, sk = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        if lq[b] == 0:
+            continue
+        o1, l1, _, _ = _flash_attn_forward(q[sq][None], k[sk][None], v[sk][None], 0.0, None, True)
+        g1 = [torch.empty_like(t[s][None]) for t, s in ((q, sq), (k, sk), (v, sk))]
+        d1 = _flash_attn_backward(dout[sq][None], q[sq][None], k[sk][None], v[sk][None], o1, l1, *g1,
+                                  0.0, None, True)
+        torch.testing.assert_close(out[sq], o1[0])
+        torch.testing.assert_close(lse[:, sq], l1[0])
+        for mine, theirs in zip((dq[sq], dk[sk], dv[sk]), g1):
+            torch.testing.assert_close(mine, theirs[0])
+        first = int(cu_q[b]) + 128 * b
+        torch.testing.assert_close(d[:, first:first + lq[b]], d1[0, :, :lq[b]])
+
+
+def test_varlen_pair(fake_backend):
+    _varlen_pair_check("cpu")
+
+
+@pytest.mark.gpu
+def test_varlen_pair_on_the_gpu():
+    if not cutlass_flash.built_kernels() or 64 not in {h for _, _, h, _ in cutlass_flash.built_kernels()}:
+        pytest.skip("no d = 64 kernels in this build")
+    _varlen_pair_check("cuda")
