@@ -57,7 +57,7 @@ TensorRef4 tensor(const Tensor& t) {
 AttnProblem problem(int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_kv, int head_dim,
                     float softmax_scale, int window_left, int window_right, float softcap,
                     const std::string& dtype, uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, int total_q,
-                    int total_k) {
+                    int total_k, uintptr_t alibi_slopes, int64_t alibi_batch_stride) {
   AttnProblem p;
   p.batch = batch;
   p.seqlen_q = seqlen_q;
@@ -74,6 +74,8 @@ AttnProblem problem(int batch, int seqlen_q, int seqlen_k, int nheads, int nhead
   p.cu_seqlens_k = reinterpret_cast<const int*>(cu_seqlens_k);
   p.total_q = total_q;
   p.total_k = total_k;
+  p.alibi_slopes = reinterpret_cast<const float*>(alibi_slopes);
+  p.alibi_batch_stride = alibi_batch_stride;
   return p;
 }
 
@@ -106,11 +108,13 @@ void run_without_gil(F&& call) {
 void fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, uintptr_t lse,
          uintptr_t workspace, int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_kv, int head_dim,
          float softmax_scale, int window_left, int window_right, float softcap, const std::string& dtype,
-         uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, int total_q, int total_k, int arch, uintptr_t stream) {
+         uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, int total_q, int total_k, uintptr_t alibi_slopes,
+         int64_t alibi_batch_stride, int arch, uintptr_t stream) {
   FwdParams params;
   set_common(params, q, k, v, o, workspace,
              problem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, softmax_scale,
-                     window_left, window_right, softcap, dtype, cu_seqlens_q, cu_seqlens_k, total_q, total_k));
+                     window_left, window_right, softcap, dtype, cu_seqlens_q, cu_seqlens_k, total_q, total_k, alibi_slopes,
+                     alibi_batch_stride));
   params.lse = reinterpret_cast<float*>(lse);
   run_without_gil([&] { return run_fwd(params, arch, as_stream(stream)); });
 }
@@ -119,12 +123,13 @@ void bwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, con
          uintptr_t lse, const Tensor& dq, const Tensor& dk, const Tensor& dv, uintptr_t workspace,
          int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_kv, int head_dim,
          float softmax_scale, int window_left, int window_right, float softcap, const std::string& dtype,
-         uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, int total_q, int total_k, int arch, bool deterministic,
-         uintptr_t stream) {
+         uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, int total_q, int total_k, uintptr_t alibi_slopes,
+         int64_t alibi_batch_stride, int arch, bool deterministic, uintptr_t stream) {
   BwdParams params;
   set_common(params, q, k, v, o, workspace,
              problem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, softmax_scale,
-                     window_left, window_right, softcap, dtype, cu_seqlens_q, cu_seqlens_k, total_q, total_k));
+                     window_left, window_right, softcap, dtype, cu_seqlens_q, cu_seqlens_k, total_q, total_k, alibi_slopes,
+                     alibi_batch_stride));
   params.dout = tensor(dout);
   params.lse = reinterpret_cast<const float*>(lse);
   params.dq = tensor(dq);
@@ -139,9 +144,11 @@ template <Direction kDir>
 size_t workspace_bytes(int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_kv,
                        int head_dim, float softmax_scale, int window_left, int window_right,
                        float softcap, const std::string& dtype, uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k,
-                       int total_q, int total_k, int arch, bool deterministic) {
+                       int total_q, int total_k, uintptr_t alibi_slopes, int64_t alibi_batch_stride, int arch,
+                       bool deterministic) {
   const AttnProblem p = problem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, softmax_scale, window_left,
-                                window_right, softcap, dtype, cu_seqlens_q, cu_seqlens_k, total_q, total_k);
+                                window_right, softcap, dtype, cu_seqlens_q, cu_seqlens_k, total_q, total_k,
+                                alibi_slopes, alibi_batch_stride);
   check(dispatch::check_problem(p, arch, kDir));
   return kDir == Direction::kForward ? fwd_workspace_bytes(p, arch) : bwd_workspace_bytes(p, arch, deterministic);
 }
@@ -149,10 +156,12 @@ size_t workspace_bytes(int batch, int seqlen_q, int seqlen_k, int nheads, int nh
 size_t fwd_workspace_bytes_py(int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_kv, int head_dim,
                               float softmax_scale, int window_left, int window_right, float softcap,
                               const std::string& dtype, uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k,
-                              int total_q, int total_k, int arch) {
+                              int total_q, int total_k, uintptr_t alibi_slopes, int64_t alibi_batch_stride,
+                              int arch) {
   return workspace_bytes<Direction::kForward>(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim,
                                               softmax_scale, window_left, window_right, softcap, dtype,
-                                              cu_seqlens_q, cu_seqlens_k, total_q, total_k, arch, false);
+                                              cu_seqlens_q, cu_seqlens_k, total_q, total_k, alibi_slopes,
+                                              alibi_batch_stride, arch, false);
 }
 
 py::list built() {
@@ -181,7 +190,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("nheads_kv"), py::arg("head_dim"), py::arg("softmax_scale"),                    \
       py::arg("window_left"), py::arg("window_right"), py::arg("softcap"), py::arg("dtype"),     \
       py::arg("cu_seqlens_q") = 0, py::arg("cu_seqlens_k") = 0, py::arg("total_q") = 0,          \
-      py::arg("total_k") = 0
+      py::arg("total_k") = 0, py::arg("alibi_slopes") = 0, py::arg("alibi_batch_stride") = 0
 
   m.def("fwd", &fwd, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"), py::arg("lse_ptr"),
         py::arg("workspace_ptr"), py::kw_only(), CUTLASS_FLASH_PROBLEM_ARGS, py::arg("arch"),

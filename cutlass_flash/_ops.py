@@ -22,6 +22,8 @@ dispatch costs more per call than the kernel launch itself. Under torch.compile,
 FakeTensorMode it calls the ops.
 """
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -36,7 +38,7 @@ def _ref4(t):
 
 
 def _problem(q, k, head_dim, softmax_scale, window_left, window_right, dtype_name, softcap=0.0,
-             varlen=None):
+             varlen=None, alibi_slopes=None):
     batch, seqlen_q, nheads, _ = q.shape
     problem = dict(
         batch=batch,
@@ -51,6 +53,9 @@ def _problem(q, k, head_dim, softmax_scale, window_left, window_right, dtype_nam
         softcap=softcap,
         dtype=dtype_name,
     )
+    if alibi_slopes is not None:  # (nheads,) or (batch, nheads): one slope per head, or per both
+        problem.update(alibi_slopes=alibi_slopes.data_ptr(),
+                       alibi_batch_stride=alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0)
     if varlen is not None:  # q, k: (1, total, nheads, head_dim) views of the packed tensors
         cu_q, cu_k, max_q, max_k = varlen
         problem.update(batch=cu_q.shape[0] - 1, seqlen_q=max_q, seqlen_k=max_k,
@@ -77,7 +82,7 @@ def _pad(t, pad):
 
 
 def _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, deterministic=False, softcap=0.0,
-              varlen=None):
+              varlen=None, alibi_slopes=None):
     """The forward; varlen: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) with q, k, v
     the (1, total, nheads, head_dim) views of packed tensors."""
     _validate.check_op_tensors(q, k, v)
@@ -94,7 +99,8 @@ def _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, determini
     q, k, v = _pad(q, pad), _pad(k, pad), _pad(v, pad)
     out = torch.empty((batch, seqlen_q, nheads, padded), dtype=q.dtype, device=device)
     lse = torch.empty(_lse_shape(q, varlen), dtype=torch.float32, device=device)
-    problem = _problem(q, k, padded, softmax_scale, window_left, window_right, dtype_name, softcap, varlen)
+    problem = _problem(q, k, padded, softmax_scale, window_left, window_right, dtype_name, softcap, varlen,
+                       alibi_slopes)
     workspace_bytes = C.fwd_workspace_bytes(**problem, arch=arch)
     workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device) if workspace_bytes else None
     _dispatch.launch(
@@ -126,12 +132,15 @@ def fwd_op(
     arch: int,
     deterministic: bool,
     softcap: float = 0.0,
+    alibi_slopes: Optional[_Tensor] = None,
 ) -> tuple[_Tensor, _Tensor]:
-    return _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, softcap=softcap)
+    return _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, softcap=softcap,
+                     alibi_slopes=alibi_slopes)
 
 
 @fwd_op.register_fake
-def _fwd_fake(q, k, v, softmax_scale, window_left, window_right, arch, deterministic, softcap=0.0):
+def _fwd_fake(q, k, v, softmax_scale, window_left, window_right, arch, deterministic, softcap=0.0,
+              alibi_slopes=None):
     batch, seqlen_q, nheads, head_dim = q.shape
     out = q.new_empty((batch, seqlen_q, nheads, head_dim))
     lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
@@ -139,7 +148,7 @@ def _fwd_fake(q, k, v, softmax_scale, window_left, window_right, arch, determini
 
 
 def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch,
-              deterministic, dq=None, dk=None, dv=None, softcap=0.0, varlen=None):
+              deterministic, dq=None, dk=None, dv=None, softcap=0.0, varlen=None, alibi_slopes=None):
     """The backward; dq / dk / dv: buffers to write the gradients into (else new tensors). A
     buffer the kernels cannot write in place (a padded head dim, a layout they do not take) is
     filled by a copy. varlen: as for _fwd_impl."""
@@ -172,7 +181,8 @@ def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
     pad = padded - head_dim
     q, k, v, out, dout = (_pad(t, pad) for t in (q, k, v, out, dout))
     lse = lse.contiguous()
-    problem = _problem(q, k, padded, softmax_scale, window_left, window_right, dtype_name, softcap, varlen)
+    problem = _problem(q, k, padded, softmax_scale, window_left, window_right, dtype_name, softcap, varlen,
+                       alibi_slopes)
 
     def target(dest, shape):
         if dest is not None and not pad and _validate.is_kernel_layout(dest):
@@ -229,14 +239,15 @@ def bwd_op(
     arch: int,
     deterministic: bool,
     softcap: float = 0.0,
+    alibi_slopes: Optional[_Tensor] = None,
 ) -> tuple[_Tensor, _Tensor, _Tensor]:
     return _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch,
-                     deterministic, softcap=softcap)
+                     deterministic, softcap=softcap, alibi_slopes=alibi_slopes)
 
 
 @bwd_op.register_fake
 def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch,
-              deterministic, softcap=0.0):
+              deterministic, softcap=0.0, alibi_slopes=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -244,6 +255,7 @@ def _setup_context(ctx, inputs, output):
     q, k, v, softmax_scale, window_left, window_right, arch, deterministic, *rest = inputs
     out, lse = output
     ctx.softcap = rest[0] if rest else 0.0
+    ctx.alibi_slopes = rest[1] if len(rest) > 1 else None
     ctx.num_inputs = len(inputs)
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.softmax_scale = softmax_scale
@@ -262,7 +274,7 @@ def _backward_with(bwd):
         if dout is None:
             dout = torch.zeros_like(out)
         dq, dk, dv = bwd(dout, q, k, v, out, lse, ctx.softmax_scale, *ctx.window, ctx.arch,
-                         ctx.deterministic, softcap=ctx.softcap)
+                         ctx.deterministic, softcap=ctx.softcap, alibi_slopes=ctx.alibi_slopes)
         return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
 
     return backward
@@ -279,10 +291,13 @@ class _EagerAttention(torch.autograd.Function):
     machine; PERFLOG.md entry 17); torch.compile and other tracing still see the ops."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, window_left, window_right, arch, deterministic, softcap):
-        out, lse = _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, softcap=softcap)
+    def forward(ctx, q, k, v, softmax_scale, window_left, window_right, arch, deterministic, softcap,
+                alibi_slopes):
+        out, lse = _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, softcap=softcap,
+                             alibi_slopes=alibi_slopes)
         _setup_context(
-            ctx, (q, k, v, softmax_scale, window_left, window_right, arch, deterministic, softcap),
+            ctx, (q, k, v, softmax_scale, window_left, window_right, arch, deterministic, softcap,
+                  alibi_slopes),
             (out, lse),
         )
         return out, lse
@@ -324,7 +339,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             2, a bound >= seqlen_k counts as unbounded. Rows that see no key: as with causal.
         softcap: > 0 caps the scaled scores x at softcap * tanh(x / softcap) before the softmax
             (Gemma 2), with its backward; 0.0 is off.
-        alibi_slopes: must be None (not supported yet).
+        alibi_slopes: None, or float32 (nheads,) or (batch, nheads): ALiBi, as FlashAttention-2:
+            the scaled score of query i and key j gets -slope * |i + seqlen_k - seqlen_q - j|.
         deterministic: the backward accumulates dQ in a fixed order, so gradients are
             bit-identical from run to run (and for a sequence alone or inside a batch); slower
             (README.md gives the measured cost). dK/dV are deterministic either way.
@@ -340,7 +356,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     scale, window_left, window_right = _validate.check_call(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic)
     args = (q, k, v, scale, window_left, window_right, _dispatch._forced_arch, deterministic,
-            float(softcap))
+            float(softcap), alibi_slopes)
     if not _plain_eager(q, k, v):
         out, lse = _fwd(*args)
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
@@ -372,14 +388,16 @@ def varlen_fwd_op(
     arch: int,
     deterministic: bool,
     softcap: float = 0.0,
+    alibi_slopes: Optional[_Tensor] = None,
 ) -> tuple[_Tensor, _Tensor]:
     return _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                            softmax_scale, window_left, window_right, arch, softcap=softcap)
+                            softmax_scale, window_left, window_right, arch, softcap=softcap,
+                            alibi_slopes=alibi_slopes)
 
 
 @varlen_fwd_op.register_fake
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                     window_left, window_right, arch, deterministic, softcap=0.0):
+                     window_left, window_right, arch, deterministic, softcap=0.0, alibi_slopes=None):
     total_q, nheads, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((nheads, total_q), dtype=torch.float32)
 
@@ -402,32 +420,35 @@ def varlen_bwd_op(
     arch: int,
     deterministic: bool,
     softcap: float = 0.0,
+    alibi_slopes: Optional[_Tensor] = None,
 ) -> tuple[_Tensor, _Tensor, _Tensor]:
     return _varlen_bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                             max_seqlen_k, softmax_scale, window_left, window_right, arch,
-                            deterministic, softcap=softcap)
+                            deterministic, softcap=softcap, alibi_slopes=alibi_slopes)
 
 
 def _varlen_bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      softmax_scale, window_left, window_right, arch, deterministic, dq=None, dk=None,
-                     dv=None, softcap=0.0):
+                     dv=None, softcap=0.0, alibi_slopes=None):
     def view(t):
         return None if t is None else t.unsqueeze(0)
 
     grads = _bwd_impl(view(dout), view(q), view(k), view(v), view(out), lse, softmax_scale,
                       window_left, window_right, arch, deterministic, view(dq), view(dk), view(dv),
-                      softcap=softcap, varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+                      softcap=softcap, varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+                      alibi_slopes=alibi_slopes)
     return tuple(g.squeeze(0) if d is None else d for g, d in zip(grads, (dq, dk, dv)))
 
 
 @varlen_bwd_op.register_fake
 def _varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                     softmax_scale, window_left, window_right, arch, deterministic, softcap=0.0):
+                     softmax_scale, window_left, window_right, arch, deterministic, softcap=0.0,
+                     alibi_slopes=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 _VARLEN_KEYS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale",
-                "window_left", "window_right", "arch", "deterministic", "softcap")
+                "window_left", "window_right", "arch", "deterministic", "softcap", "alibi_slopes")
 
 
 def _varlen_setup_context(ctx, inputs, output):
@@ -435,7 +456,8 @@ def _varlen_setup_context(ctx, inputs, output):
     out, lse = output
     ctx.num_inputs = len(inputs)
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-    ctx.scalars = tuple(rest) + (0.0,) * (len(_VARLEN_KEYS) - 2 - len(rest))
+    defaults = {"softcap": 0.0, "alibi_slopes": None}
+    ctx.scalars = tuple(rest) + tuple(defaults[key] for key in _VARLEN_KEYS[2 + len(rest):])
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)
 
@@ -445,9 +467,9 @@ def _varlen_backward_with(bwd):
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        max_q, max_k, scale, wl, wr, arch, deterministic, softcap = ctx.scalars
+        max_q, max_k, scale, wl, wr, arch, deterministic, softcap, alibi_slopes = ctx.scalars
         dq, dk, dv = bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, wl, wr, arch,
-                         deterministic, softcap=softcap)
+                         deterministic, softcap=softcap, alibi_slopes=alibi_slopes)
         return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
 
     return backward
@@ -463,9 +485,9 @@ class _EagerVarlenAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, arch,
-                deterministic, softcap):
+                deterministic, softcap, alibi_slopes):
         inputs = (q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, arch,
-                  deterministic, softcap)
+                  deterministic, softcap, alibi_slopes)
         out, lse = _varlen_fwd_impl(*inputs)
         _varlen_setup_context(ctx, inputs, (out, lse))
         return out, lse
@@ -474,9 +496,10 @@ class _EagerVarlenAttention(torch.autograd.Function):
 
 
 def _varlen_fwd_impl(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, arch,
-                     deterministic=False, softcap=0.0):
+                     deterministic=False, softcap=0.0, alibi_slopes=None):
     out, lse = _fwd_impl(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), softmax_scale, window_left,
-                         window_right, arch, softcap=softcap, varlen=(cu_q, cu_k, max_q, max_k))
+                         window_right, arch, softcap=softcap, varlen=(cu_q, cu_k, max_q, max_k),
+                         alibi_slopes=alibi_slopes)
     return out.squeeze(0), lse
 
 
@@ -509,7 +532,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
         causal, window_size, softcap, alibi_slopes, deterministic)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
-            window_right, _dispatch._forced_arch, deterministic, float(softcap))
+            window_right, _dispatch._forced_arch, deterministic, float(softcap), alibi_slopes)
     if not _plain_eager(q, k, v):
         out, lse = _varlen_fwd(*args)
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):

@@ -222,10 +222,32 @@ def check_mask(causal, window_size, seqlen_k):
     return left, right
 
 
+def check_alibi(alibi_slopes, batch, nheads, device):
+    """alibi_slopes: None, or float32 (nheads,) or (batch, nheads) on q's device with a contiguous
+    last dim (FlashAttention-2's)."""
+    if alibi_slopes is None:
+        return
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(
+            f"alibi_slopes must be None or a float32 tensor, got {type(alibi_slopes).__name__}"
+        )
+    if alibi_slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes must be float32, got {alibi_slopes.dtype}")
+    if tuple(alibi_slopes.shape) not in ((nheads,), (batch, nheads)):
+        raise ValueError(
+            f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}) (nheads of q, batch), "
+            f"got {tuple(alibi_slopes.shape)}"
+        )
+    if alibi_slopes.device != device:
+        raise ValueError(f"alibi_slopes must be on q's device {device}, got {alibi_slopes.device}")
+    if alibi_slopes.stride(-1) != 1:
+        raise ValueError("alibi_slopes must have a contiguous last dimension; pass alibi_slopes.contiguous()")
+
+
 def check_not_yet_supported(dropout_p, softcap, alibi_slopes):
-    """Validates dropout_p, softcap and alibi_slopes, and raises NotImplementedError for the
-    features the kernels do not have yet (dropout, ALiBi) at any non-default value (never a
-    silently different result)."""
+    """Validates dropout_p and softcap (alibi_slopes: check_alibi), and raises
+    NotImplementedError for the feature the kernels do not have yet (dropout) at any non-default
+    value (never a silently different result)."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
         raise TypeError(f"dropout_p must be a float in [0, 1), got {type(dropout_p).__name__}")
     if not 0.0 <= dropout_p < 1.0:
@@ -234,16 +256,11 @@ def check_not_yet_supported(dropout_p, softcap, alibi_slopes):
         raise TypeError(f"softcap must be a float >= 0, got {type(softcap).__name__}")
     if not (softcap >= 0.0 and math.isfinite(softcap)):
         raise ValueError(f"softcap must be a finite float >= 0 (0: off), got {softcap}")
-    if alibi_slopes is not None and not isinstance(alibi_slopes, torch.Tensor):
-        raise TypeError(
-            f"alibi_slopes must be None or a float32 tensor, got {type(alibi_slopes).__name__}"
+    if dropout_p > 0:
+        raise NotImplementedError(
+            "cutlass_flash: dropout_p > 0 is not supported yet (the kernels have no such path); "
+            "call with the default value"
         )
-    for name, on in (("dropout_p > 0", dropout_p > 0), ("alibi_slopes", alibi_slopes is not None)):
-        if on:
-            raise NotImplementedError(
-                f"cutlass_flash: {name} is not supported yet (the kernels have no such path); "
-                "call with the default value"
-            )
 
 
 def check_call(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
@@ -255,6 +272,7 @@ def check_call(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
     scale = check_softmax_scale(softmax_scale, q.shape[3])
     window_left, window_right = check_mask(causal, window_size, k.shape[1])
     check_not_yet_supported(dropout_p, softcap, alibi_slopes)
+    check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     return scale, window_left, window_right
@@ -343,6 +361,7 @@ def check_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     scale = check_softmax_scale(softmax_scale, q.shape[2])
     window_left, window_right = check_mask(causal, window_size, max(max_seqlen_k, 1))
     check_not_yet_supported(dropout_p, softcap, alibi_slopes)
+    check_alibi(alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1], q.device)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     if os.environ.get(CHECK_CU_SEQLENS_ENV, "0") not in ("", "0"):

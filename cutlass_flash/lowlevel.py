@@ -40,7 +40,7 @@ def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_l
     if return_softmax:
         raise NotImplementedError("cutlass_flash: return_softmax=True is not supported")
     out, lse = _ops._fwd_impl(q.detach(), k.detach(), v.detach(), scale, left, right,
-                              _dispatch._forced_arch, softcap=float(softcap))
+                              _dispatch._forced_arch, softcap=float(softcap), alibi_slopes=alibi_slopes)
     return out, lse, q.new_empty((0,)), torch.empty((0,), dtype=torch.int64, device=q.device)
 
 
@@ -75,7 +75,8 @@ def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p,
         _check_grad_buffer(name, buf, like)
     dq, dk, dv = _ops._bwd_impl(dout.detach(), q.detach(), k.detach(), v.detach(), out.detach(),
                                 softmax_lse, scale, left, right, _dispatch._forced_arch,
-                                deterministic, dq, dk, dv, softcap=float(softcap))
+                                deterministic, dq, dk, dv, softcap=float(softcap),
+                                alibi_slopes=alibi_slopes)
     batch, seqlen_q, nheads, _ = q.shape
     rounded = -(-seqlen_q // _SOFTMAX_D_PAD) * _SOFTMAX_D_PAD
     softmax_d = torch.zeros((batch, nheads, rounded), dtype=torch.float32, device=q.device)
@@ -105,7 +106,7 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
         raise NotImplementedError("cutlass_flash: return_softmax=True is not supported")
     out, lse = _ops._varlen_fwd_impl(q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k,
                                      max_q, max_k, scale, left, right, _dispatch._forced_arch,
-                                     softcap=float(softcap))
+                                     softcap=float(softcap), alibi_slopes=alibi_slopes)
     return out, lse, q.new_empty((0,)), torch.empty((0,), dtype=torch.int64, device=q.device)
 
 
@@ -127,7 +128,8 @@ def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_
         _check_grad_buffer(name, buf, like)
     _ops._varlen_bwd_impl(dout.detach(), q.detach(), k.detach(), v.detach(), out.detach(),
                           softmax_lse, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, left, right,
-                          _dispatch._forced_arch, deterministic, dq, dk, dv, softcap=float(softcap))
+                          _dispatch._forced_arch, deterministic, dq, dk, dv, softcap=float(softcap),
+                          alibi_slopes=alibi_slopes)
     total_q, nheads, _ = q.shape
     batch = cu_seqlens_q.shape[0] - 1
     rows = torch.arange(total_q, device=q.device)

@@ -35,7 +35,17 @@ def attention_probs(q, k, softmax_scale, window=(-1, -1)):
     return torch.softmax(scores, dim=-1)
 
 
-def attention_ref(q, k, v, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0):
+def alibi_bias(slopes, batch, nheads, seqlen_q, seqlen_k, device, dtype):
+    """ALiBi as FlashAttention-2: -slope * |i + seqlen_k - seqlen_q - j|, (batch, nheads, sq, sk);
+    slopes (nheads,) or (batch, nheads)."""
+    slopes = slopes.to(device=device, dtype=dtype).reshape(-1, nheads).expand(batch, nheads)
+    i = torch.arange(seqlen_q, device=device).view(-1, 1)
+    j = torch.arange(seqlen_k, device=device).view(1, -1)
+    dist = (i + seqlen_k - seqlen_q - j).abs().to(dtype)
+    return -slopes.view(batch, nheads, 1, 1) * dist
+
+
+def attention_ref(q, k, v, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None):
     """Returns (out, lse) computed in q's dtype.
 
     q: (batch, seqlen_q, nheads, d); k, v: (batch, seqlen_k, nheads_kv, d). out: like q.
@@ -50,6 +60,8 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, window=(-1, -1), so
     scores = torch.einsum("bthd,bshd->bhts", q * scale, k)
     if softcap > 0:  # Gemma 2: the scaled scores capped at softcap * tanh(x / softcap)
         scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        scores = scores + alibi_bias(alibi_slopes, batch, nheads, seqlen_q, seqlen_k, q.device, scores.dtype)
     window_left, window_right = (-1, 0) if causal else window
     if window_left >= 0 or window_right >= 0:
         allowed = window_mask(seqlen_q, seqlen_k, window_left, window_right, q.device)
@@ -67,14 +79,14 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, window=(-1, -1), so
 
 
 def reference_outputs(q, k, v, dout, causal=False, softmax_scale=None, dtype=None, window=(-1, -1),
-                      softcap=0.0):
+                      softcap=0.0, alibi_slopes=None):
     """(out, lse, dq, dk, dv) of attention_ref on detached copies of q, k, v cast to ``dtype``
     (default: their own), with gradients for ``dout``. ``window``: (left, right) as the kernels
     take it (causal=True overrides it with (-1, 0))."""
     dtype = q.dtype if dtype is None else dtype
     leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
     out, lse = attention_ref(*leaves, causal=causal, softmax_scale=softmax_scale, window=window,
-                             softcap=softcap)
+                             softcap=softcap, alibi_slopes=alibi_slopes)
     dq, dk, dv = torch.autograd.grad(out, leaves, dout.to(dtype))
     return out.detach(), lse.detach(), dq, dk, dv
 

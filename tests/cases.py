@@ -47,6 +47,7 @@ class Case:
     q_scale: float = 1.0  # > 1: large-magnitude logits
     window: tuple = (-1, -1)  # flash_attn_func's window_size (with causal: right = 0)
     softcap: float = 0.0
+    alibi: int = 0  # ALiBi slopes: 0 none, 1 (nheads,), 2 (batch, nheads)
 
     @property
     def id(self):
@@ -58,7 +59,19 @@ class Case:
         )
         s += f"-qx{self.q_scale:g}" if self.q_scale != 1.0 else ""
         s += f"-w{self.window[0]}_{self.window[1]}" if self.window != (-1, -1) else ""
+        s += f"-alibi{self.alibi}" if self.alibi else ""
         return s + (f"-cap{self.softcap:g}" if self.softcap else "")
+
+    def alibi_slopes(self, device):
+        """The case's ALiBi slopes (None without): the usual geometric series 2^(-8 (h + 1) / H),
+        scaled per sequence in the (batch, nheads) form so that sequences differ."""
+        if not self.alibi:
+            return None
+        heads = torch.arange(self.nheads, dtype=torch.float64)
+        slopes = torch.pow(2.0, -8.0 * (heads + 1) / self.nheads)
+        if self.alibi == 2:
+            slopes = slopes.view(1, -1) * (1.0 + 0.5 * torch.arange(self.batch, dtype=torch.float64)).view(-1, 1)
+        return slopes.to(device=device, dtype=torch.float32)
 
     @property
     def mask(self):
@@ -232,6 +245,19 @@ def softcap_cases():
                 out.append(Case(2, (113, 239)[causal], 239, 4, (4, 2)[i % 2], hd, ("bf16", "fp16")[i % 2],
                                 causal, arch, q_scale=4.0, softcap=(30.0, 5.0)[causal],
                                 window=(-1, -1) if i % 3 else (64, 16)))
+    return out
+
+
+def alibi_cases():
+    """ALiBi at every head dim: slopes per head or per (batch, head), causal or not, a window,
+    softcap on one, GQA, seqlen_q != seqlen_k; per family."""
+    out = []
+    for arch in kernel_archs():
+        for i, hd in enumerate(head_dims()):
+            for causal in (False, True):
+                out.append(Case(2, (113, 239)[causal], (239, 200)[causal], 4, (4, 2)[i % 2], hd,
+                                ("bf16", "fp16")[i % 2], causal, arch, alibi=1 + (i + causal) % 2,
+                                window=(-1, -1) if i % 3 else (64, 16), softcap=5.0 if (i, causal) == (1, True) else 0.0))
     return out
 
 

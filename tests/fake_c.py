@@ -11,7 +11,7 @@ import ctypes
 
 import torch
 
-from attn_ref import attention_ref, window_mask
+from attn_ref import alibi_bias, attention_ref, window_mask
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -101,7 +101,7 @@ class FakeC:
         Q, K, V, Out = self._tensors(p, dtype, q=q, k=k, v=v, o=o)
         assert lse_ptr % 16 == 0
         lse = self._lse(p, lse_ptr)
-        for sq, sk, lse_b in self._sequences(p, lse):
+        for b, (sq, sk, lse_b) in enumerate(self._sequences(p, lse)):
             if K[sk].shape[1] == 0:  # a sequence without keys: its rows see none
                 Out[sq].zero_()
                 lse_b.fill_(float("inf"))
@@ -109,6 +109,7 @@ class FakeC:
             out, lse_ref = attention_ref(
                 Q[sq].double(), K[sk].double(), V[sk].double(), softmax_scale=p["softmax_scale"],
                 window=(p["window_left"], p["window_right"]), softcap=p["softcap"],
+                alibi_slopes=self._slopes(p, b),
             )
             Out[sq].copy_(out)
             lse_b.copy_(lse_ref)
@@ -124,19 +125,28 @@ class FakeC:
         lse = self._lse(p, lse_ptr)
         # The CUDA caching allocator gives 512-byte alignment; the CPU allocator 64 bytes.
         assert workspace_ptr % 64 == 0 and workspace_ptr != 0, "workspace must be aligned"
-        for sq, sk, lse_b in self._sequences(p, lse):
+        for b, (sq, sk, lse_b) in enumerate(self._sequences(p, lse)):
             if K[sk].shape[1] == 0 or Q[sq].shape[1] == 0:  # nothing attends: zero gradients
                 dQ[sq].zero_()
                 dK[sk].zero_()
                 dV[sk].zero_()
                 continue
-            gq, gk, gv = self._grads(p, Q[sq], K[sk], V[sk], O[sq], dO[sq], lse_b)
+            gq, gk, gv = self._grads(p, Q[sq], K[sk], V[sk], O[sq], dO[sq], lse_b, self._slopes(p, b))
             dQ[sq].copy_(gq)
             dK[sk].copy_(gk)
             dV[sk].copy_(gv)
 
+    def _slopes(self, p, sequence):
+        """The ALiBi slopes the kernels read, (batch, nheads) (a dense batch) or (1, nheads) (one
+        sequence of a variable-length batch); None when off."""
+        if not p["alibi_slopes"]:
+            return None
+        B, H = p["batch"], p["nheads"]
+        slopes = _raw(p["alibi_slopes"], (B, H), (p["alibi_batch_stride"], 1), torch.float32, self.device)
+        return slopes[sequence:sequence + 1] if p["cu_seqlens_q"] else slopes
+
     @staticmethod
-    def _grads(p, Q, K, V, O, dO, lse):
+    def _grads(p, Q, K, V, O, dO, lse, slopes=None):
         """Gradients of one (batch, seqlen, heads, d) problem, by hand (the op runs below
         autograd)."""
         group = p["nheads"] // p["nheads_kv"]
@@ -156,6 +166,9 @@ class FakeC:
         if cap > 0:  # the gradient of x = scale * s goes through tanh: dx = ds * (1 - t^2)
             t = torch.tanh(scores / cap)
             scores = cap * t
+        if slopes is not None:
+            B, Sq, H, _ = Q.shape
+            scores = scores + alibi_bias(slopes, B, H, Sq, K.shape[1], q64.device, scores.dtype)
         if window[0] >= 0 or window[1] >= 0:
             allowed = window_mask(Q.shape[1], K.shape[1], window[0], window[1], q64.device)
             scores = scores.masked_fill(~allowed, float("-inf"))
@@ -202,7 +215,8 @@ class FakeC:
     _KEYS = ("batch", "seqlen_q", "seqlen_k", "nheads", "nheads_kv", "head_dim", "softmax_scale",
              "window_left", "window_right", "softcap", "dtype", "arch")
     # The binding's variable-length keywords and their defaults (a dense batch).
-    _VARLEN_KEYS = {"cu_seqlens_q": 0, "cu_seqlens_k": 0, "total_q": 0, "total_k": 0}
+    _VARLEN_KEYS = {"cu_seqlens_q": 0, "cu_seqlens_k": 0, "total_q": 0, "total_k": 0,
+                    "alibi_slopes": 0, "alibi_batch_stride": 0}
 
     def _problem(self, direction, kw, check_built=True):
         kw = dict(kw)

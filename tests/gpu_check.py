@@ -42,13 +42,16 @@ def check_case(case, device="cuda"):
     poison_cuda_cache(case, device)
     with cutlass_flash.force_arch(case.arch):
         out, lse = cutlass_flash.flash_attn_func(q, k, v, causal=case.causal, window_size=case.window,
-                                                 softcap=case.softcap, return_lse=True)
+                                                 softcap=case.softcap, alibi_slopes=case.alibi_slopes(device),
+                                                 return_lse=True)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     ours = (out, lse, dq, dk, dv)
     # The reference takes the mask the call normalizes to (causal: right = 0; bounds past the
     # sequence: unbounded), which it applies literally.
-    ref = reference_outputs(q, k, v, dout, dtype=torch.float64, window=case.mask, softcap=case.softcap)
-    same = reference_outputs(q, k, v, dout, window=case.mask, softcap=case.softcap)
+    slopes = case.alibi_slopes(device)
+    ref = reference_outputs(q, k, v, dout, dtype=torch.float64, window=case.mask, softcap=case.softcap,
+                            alibi_slopes=slopes)
+    same = reference_outputs(q, k, v, dout, window=case.mask, softcap=case.softcap, alibi_slopes=slopes)
     rows_per_key = case.seqlen_q * (case.nheads // case.nheads_kv)
     for name, o, s, r in zip(OUTPUT_NAMES, ours, same, ref):
         assert_within_tolerance(f"{case.id}: {name}", o, s, r,

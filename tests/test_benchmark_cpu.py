@@ -64,17 +64,19 @@ def test_markdown_has_one_section_per_dtype_and_mode():
 def test_ours_variant_columns_and_bad_impl(monkeypatch, capsys):
     calls = []
     monkeypatch.setattr(benchmark.cutlass_flash, "flash_attn_func",
-                        lambda q, k, v, causal, softcap, deterministic:
-                        calls.append((causal, softcap, deterministic)))
-    args = benchmark.parse_args(["--impls", "ours,ours-det,ours-softcap"])
+                        lambda q, k, v, causal, softcap, alibi_slopes, deterministic:
+                        calls.append((causal, softcap, alibi_slopes is not None, deterministic)))
+    args = benchmark.parse_args(["--impls", "ours,ours-det,ours-softcap,ours-alibi"])
     impls = benchmark.implementations(args)
-    assert [label for label, _, _ in impls] == ["ours", "ours-det", "ours-softcap"]
+    assert [label for label, _, _ in impls] == ["ours", "ours-det", "ours-softcap", "ours-alibi"]
+    q = torch.zeros(1, 2, 4, 8)
     for _, factory, _ in impls:
-        factory(True)(None, None, None)
-    assert calls == [(True, 0.0, False), (True, 0.0, True), (True, benchmark.SOFTCAP, False)]
+        factory(True)(q, q, q)
+    assert calls == [(True, 0.0, False, False), (True, 0.0, False, True), (True, benchmark.SOFTCAP, False, False),
+                     (True, 0.0, True, False)]
     with pytest.raises(SystemExit):
         benchmark.parse_args(["--impls", "ours,fa4"])
-    assert "--impls: expected some of ours, ours-det, ours-softcap, sdpa-flash" in capsys.readouterr().err
+    assert "--impls: expected some of ours, ours-det, ours-softcap, ours-alibi, sdpa-flash" in capsys.readouterr().err
 
 
 @pytest.fixture

@@ -23,6 +23,7 @@ _GRIDS = {
     "large_logit_case": cases.large_logit_cases,
     "window_case": cases.window_cases,
     "softcap_case": cases.softcap_cases,
+    "alibi_case": cases.alibi_cases,
 }
 
 
@@ -74,6 +75,11 @@ def test_windows(window_case):
 def test_softcap(softcap_case):
     """softcap: scores capped by tanh, with its backward, q scaled so that tanh saturates."""
     check_case(softcap_case)
+
+
+def test_alibi(alibi_case):
+    """ALiBi slopes per head or per (batch, head), with masks, a window, softcap, GQA."""
+    check_case(alibi_case)
 
 
 def test_full_grid(full_case):

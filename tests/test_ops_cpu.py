@@ -180,6 +180,36 @@ def test_softcap_end_to_end_fake(fake_backend, case):
     assert (no_cap[0] - ref[0]).abs().max() > 1e-2
 
 
+ALIBI_CASES = [
+    Case(2, 17, 33, 4, 2, 64, "bf16", False, 0, alibi=1),
+    Case(2, 33, 17, 4, 1, 40, "fp16", True, 80, alibi=2, window=(8, 0)),
+    Case(2, 20, 20, 2, 2, 64, "bf16", True, 90, alibi=2, softcap=5.0),
+]
+
+
+@pytest.mark.parametrize("case", ALIBI_CASES, ids=[c.id for c in ALIBI_CASES])
+def test_alibi_end_to_end_fake(fake_backend, case):
+    """alibi_slopes reach the binding (pointer and batch stride) and give the reference's
+    results, forward and backward; they change the result."""
+    q, k, v = make_inputs(case, "cpu")
+    dout = make_dout(case, "cpu")
+    slopes = case.alibi_slopes("cpu")
+    with cutlass_flash.force_arch(case.arch):
+        out, lse = flash_attn_func(q, k, v, causal=case.causal, window_size=case.window,
+                                   softcap=case.softcap, alibi_slopes=slopes, return_lse=True)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    for direction, _, kw in fake_backend.calls[-2:]:
+        assert kw["alibi_slopes"] == slopes.data_ptr(), direction
+        assert kw["alibi_batch_stride"] == (slopes.stride(0) if slopes.dim() == 2 else 0)
+    ref = reference_outputs(q, k, v, dout, dtype=torch.float64, window=case.mask, softcap=case.softcap,
+                            alibi_slopes=slopes)
+    same = reference_outputs(q, k, v, dout, window=case.mask, softcap=case.softcap, alibi_slopes=slopes)
+    for name, ours, pt, r in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), same, ref):
+        assert_within_tolerance(name, ours, pt, r)
+    plain = reference_outputs(q, k, v, dout, dtype=torch.float64, window=case.mask, softcap=case.softcap)
+    assert (plain[0] - ref[0]).abs().max() > 1e-2
+
+
 def test_window_changes_the_result(fake_backend):
     # A window that cuts keys must change out (the mask reaches the kernels), one wider than the
     # sequence must not.

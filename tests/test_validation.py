@@ -149,7 +149,7 @@ def test_public_names():
         assert hasattr(cutlass_flash, name), name
 
 
-# -- masks and the FlashAttention-2 arguments without a kernel path yet ---------------------------
+# -- masks, softcap, ALiBi and the FlashAttention-2 arguments without a kernel path yet -------------
 
 BAD_ARGS = {
     # id: (keyword arguments, exception, regex)
@@ -167,8 +167,11 @@ BAD_ARGS = {
     "softcap-nan": (dict(softcap=float("nan")), ValueError, r"softcap must be a finite float"),
     "alibi-list": (dict(alibi_slopes=[0.5] * 4), TypeError, r"alibi_slopes must be None or a"),
     "dropout-not-yet": (dict(dropout_p=0.1), NotImplementedError, r"dropout_p > 0 is not supported"),
-    "alibi-not-yet": (dict(alibi_slopes=torch.zeros(4)), NotImplementedError,
-                      r"alibi_slopes is not supported"),
+    "alibi-float64": (dict(alibi_slopes=torch.zeros(4, dtype=torch.float64)), TypeError,
+                      r"alibi_slopes must be float32"),
+    "alibi-shape": (dict(alibi_slopes=torch.zeros(3)), ValueError, r"alibi_slopes must have shape"),
+    "alibi-strided": (dict(alibi_slopes=torch.zeros(2, 8)[:, ::2]), ValueError,
+                      r"alibi_slopes must have a contiguous last dimension"),
 }
 
 

@@ -38,6 +38,12 @@ def packed(lengths_q, lengths_k, nheads, nheads_kv, head_dim, dtype, device, see
     return q, k, v, dout, _cu(lengths_q, device), _cu(lengths_k, device)
 
 
+def _slopes(batch, nheads, device):
+    """ALiBi slopes (batch, nheads), different per sequence."""
+    heads = torch.arange(nheads, dtype=torch.float32)
+    return (torch.pow(2.0, -(heads + 1)).view(1, -1) * (1 + torch.arange(batch)).view(-1, 1)).to(device)
+
+
 def _run(q, k, v, dout, cu_q, cu_k, lengths_q, lengths_k, **kw):
     out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k),
                                       return_lse=True, **kw)
@@ -51,15 +57,17 @@ def _run(q, k, v, dout, cu_q, cu_k, lengths_q, lengths_k, **kw):
 # bound >= a sequence's own seqlen_k means no bound to flash_attn_func on that sequence alone but
 # not to the packed call (the two differ where seqlen_q > seqlen_k), so the right bound here stays
 # below every non-empty sequence's keys.
-@pytest.mark.parametrize("mask", [dict(), dict(causal=True), dict(window_size=(7, 0))],
-                         ids=["nomask", "causal", "window"])
+@pytest.mark.parametrize("mask", [dict(), dict(causal=True), dict(window_size=(7, 0)), dict(causal=True, alibi=True)],
+                         ids=["nomask", "causal", "window", "alibi"])
 def test_varlen_matches_dense_per_sequence(fake_backend, mask):
     """Each sequence of the packed batch gets what flash_attn_func gives it alone: the slices,
     the (nheads, total_q) LSE and the gradients are marshalled right; a sequence without keys
     gives out = 0, lse = +inf, zero gradients."""
     lq, lk = SMALL_Q, SMALL_K
     q, k, v, dout, cu_q, cu_k = packed(lq, lk, 4, 2, 40, torch.bfloat16, "cpu")
-    out, lse, dq, dk, dv = _run(q, k, v, dout, cu_q, cu_k, lq, lk, **mask)
+    mask = dict(mask)
+    slopes = _slopes(len(lq), 4, "cpu") if mask.pop("alibi", False) else None
+    out, lse, dq, dk, dv = _run(q, k, v, dout, cu_q, cu_k, lq, lk, alibi_slopes=slopes, **mask)
     assert out.shape == q.shape and lse.shape == (4, sum(lq)) and dk.shape == k.shape
     # auto: on the fake's sm90 GPU the sm90 family where it has variable-length kernels
     assert fake_backend.archs_called() == [90 if d in VARLEN[90] else 80 for d in ("fwd", "bwd")]
@@ -70,7 +78,8 @@ def test_varlen_matches_dense_per_sequence(fake_backend, mask):
             assert dk[sk].abs().max() == 0 and dv[sk].abs().max() == 0
             continue
         qb, kb, vb = (t.detach()[s].unsqueeze(0).requires_grad_() for t, s in ((q, sq), (k, sk), (v, sk)))
-        o1, l1 = flash_attn_func(qb, kb, vb, return_lse=True, **mask)
+        o1, l1 = flash_attn_func(qb, kb, vb, return_lse=True,
+                                 alibi_slopes=None if slopes is None else slopes[b:b + 1], **mask)
         g1 = torch.autograd.grad(o1, (qb, kb, vb), dout[sq].unsqueeze(0))
         torch.testing.assert_close(out[sq], o1[0])
         torch.testing.assert_close(lse[:, sq], l1[0])
@@ -174,7 +183,7 @@ def test_varlen_op_under_make_fx(fake_backend):
 # -- GPU: the kernels against the float64 reference -------------------------------------------
 
 
-def _reference(q, k, v, dout, cu_q, cu_k, lengths_q, lengths_k, dtype, mask):
+def _reference(q, k, v, dout, cu_q, cu_k, lengths_q, lengths_k, dtype, mask, slopes=None):
     """(out, lse, dq, dk, dv) in the packed layouts, attention_ref sequence by sequence."""
     outs = [torch.zeros_like(t, dtype=dtype or t.dtype) for t in (q, q, k, v)]
     out, dq, dk, dv = outs
@@ -186,7 +195,8 @@ def _reference(q, k, v, dout, cu_q, cu_k, lengths_q, lengths_k, dtype, mask):
         if nq == 0 or nk == 0:
             continue
         o, l, gq, gk, gv = reference_outputs(q[sq][None], k[sk][None], v[sk][None], dout[sq][None],
-                                             dtype=dtype, window=mask)
+                                             dtype=dtype, window=mask,
+                                             alibi_slopes=None if slopes is None else slopes[b:b + 1])
         out[sq], lse[:, sq], dq[sq], dk[sk], dv[sk] = o[0], l[0], gq[0], gk[0], gv[0]
     return out, lse, dq, dk, dv
 
@@ -200,20 +210,22 @@ def _mask(causal, window, max_k):
 @pytest.mark.parametrize("arch", kernel_archs(), ids=lambda a: f"sm{a}")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("head_dim", head_dims())
-@pytest.mark.parametrize("causal, window", [(False, (-1, -1)), (True, (-1, -1)), (False, (300, 0))],
-                         ids=["nomask", "causal", "w300_0"])
-def test_varlen_accuracy(arch, dtype, head_dim, causal, window):
+@pytest.mark.parametrize("causal, window, alibi", [(False, (-1, -1), False), (True, (-1, -1), False),
+                                                   (False, (300, 0), False), (True, (-1, -1), True)],
+                         ids=["nomask", "causal", "w300_0", "causal_alibi"])
+def test_varlen_accuracy(arch, dtype, head_dim, causal, window, alibi):
     if dtype == torch.float16 and head_dim not in (64, 128):
         pytest.skip("fp16: two head dims suffice (the dtype changes no addressing)")
     skip_if_not_built(Case(1, 1, 1, 4, 2, head_dim, "bf16" if dtype == torch.bfloat16 else "fp16", causal, arch))
     lq, lk = LENGTHS_Q, LENGTHS_K
     torch.full((64 << 20,), float("nan"), device="cuda")  # poison the caching allocator
     q, k, v, dout, cu_q, cu_k = packed(lq, lk, 4, 2, head_dim, dtype, "cuda", seed=head_dim)
+    slopes = _slopes(len(lq), 4, "cuda") if alibi else None
     with cutlass_flash.force_arch(arch):
-        ours = _run(q, k, v, dout, cu_q, cu_k, lq, lk, causal=causal, window_size=window)
+        ours = _run(q, k, v, dout, cu_q, cu_k, lq, lk, causal=causal, window_size=window, alibi_slopes=slopes)
     mask = _mask(causal, window, max(lk))
-    ref = _reference(q, k, v, dout, cu_q, cu_k, lq, lk, torch.float64, mask)
-    same = _reference(q, k, v, dout, cu_q, cu_k, lq, lk, None, mask)
+    ref = _reference(q, k, v, dout, cu_q, cu_k, lq, lk, torch.float64, mask, slopes)
+    same = _reference(q, k, v, dout, cu_q, cu_k, lq, lk, None, mask, slopes)
     rows_per_key = max(lq) * 2
     for name, o, s, r in zip(("out", "lse", "dq", "dk", "dv"), ours, same, ref):
         assert_within_tolerance(f"varlen d={head_dim} {name}", o, s, r, slack=slack(name, rows_per_key, head_dim))

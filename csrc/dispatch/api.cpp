@@ -204,6 +204,9 @@ Status check_problem(const AttnProblem& p, int arch, Direction dir) {
       return make(Status::kInvalidArgument, prefix(dir) + "total_q = " + to_string(p.total_q) + " and total_k = " +
                                                 to_string(p.total_k) + " must be positive");
   }
+  if (reinterpret_cast<uintptr_t>(p.alibi_slopes) % alignof(float) != 0 || p.alibi_batch_stride < 0)
+    return make(Status::kInvalidArgument,
+                prefix(dir) + "alibi_slopes must be a 4-byte aligned float32 array with a batch stride >= 0");
   const CatalogFamily* fam = find_family(arch);
   if (fam == nullptr)
     return make(Status::kInvalidArgument, prefix(dir) + "unknown kernel family arch = " +

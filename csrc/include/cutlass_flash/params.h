@@ -48,6 +48,11 @@ struct AttnProblem {
   // > 0: the scaled scores x = softmax_scale * q.k become softcap * tanh(x / softcap) before the
   // softmax (Gemma 2); 0: off.
   float softcap = 0.f;
+  // ALiBi: float32 slopes, slope of (batch b, head h) at alibi_slopes[b * alibi_batch_stride + h]
+  // (stride 0: one slope per head); the scaled score of query i, key j gets
+  // -slope * |i + seqlen_k - seqlen_q - j|. Null: off.
+  const float* alibi_slopes = nullptr;
+  int64_t alibi_batch_stride = 0;
   DType dtype = DType::kBFloat16;
   // Variable-length batches: batch + 1 int32 offsets each (both or neither), and the rows of the
   // packed tensors.

@@ -117,7 +117,8 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1) bwd_kernel(con
     const BwdDqOrder dq_order{params.deterministic ? reinterpret_cast<int*>(workspace + ws.dq_semaphore_offset) : nullptr,
                               dq_row, n_block, ws.dq_groups};
     if (g > 0) __syncthreads();  // the last head's final reads of shared memory are done
-    Mainloop::run(gQ, gdO, gK, gV, dq_accum, lse, dpsum, smem, mask, Softcap(p), n_block, m_min, m_max,
+    Mainloop::run(gQ, gdO, gK, gV, dq_accum, lse, dpsum, smem, mask, Softcap(p), Alibi(p, tile.batch, head),
+                  n_block, m_min, m_max,
                   Softcap::softmax_scale(p) * float(M_LOG2E), acc_dk, acc_dv, dq_order);
   }
   Epilogue::store(acc_dk, acc_dv, gdK, gdV, p.softmax_scale, smem, seq.seqlen_k - n_block * kBlockN);

@@ -12,6 +12,7 @@
 
 #include "kernels/common/dq_semaphore.h"
 #include "kernels/common/mask.h"
+#include "kernels/common/alibi.h"
 #include "kernels/common/softcap.h"
 #include "kernels/sm80/utils.h"
 
@@ -96,7 +97,8 @@ struct BwdMainloop {
   template <typename TensorQ, typename TensorK, typename TensorAcc>
   __device__ static void run(const TensorQ& gQ, const TensorQ& gdO, const TensorK& gK, const TensorK& gV,
                              float* dq_accum, const float* lse, const float* dpsum, char* smem,
-                             const WindowMask& mask, const Softcap& softcap, int n_block, int m_min, int m_max,
+                             const WindowMask& mask, const Softcap& softcap, const Alibi& alibi, int n_block,
+                             int m_min, int m_max,
                              float scale_log2, TensorAcc& acc_dk, TensorAcc& acc_dv, const BwdDqOrder& dq_order) {
     const int tid = threadIdx.x;
     constexpr int kQTile = Traits::kQTile, kKVTile = Traits::kKVTile, kPTile = Traits::kPTile;
@@ -201,6 +203,11 @@ struct BwdMainloop {
       Tensor tSsQ_m = make_tensor(tSsQ.data() + stage * kQTile, tSsQ.layout());
       gemm_ss(acc_s, tSrQ, tSrK, tSsQ_m, tSsK, mma_sdp, copy_a_sdp, copy_b_sdp, thr_a_sdp, thr_b_sdp);
       if (softcap.on()) softcap.tanh_scores(acc_s);
+      if (alibi.on()) {
+        const auto c0 = s_coords(loop_tid())(0);
+        alibi.apply(acc_s, make_coord_tensor(tScS.layout()), mask, m * kBlockM + get<0>(c0),
+                    n_block * kBlockN + get<1>(c0));
+      }
       if (mask.block_needs_mask<kBlockM, kBlockN>(m, n_block)) {
         // The thread's first (row, col) goes into the offsets, so each entry's coordinates are
         // compile-time constants: with tScS itself, its 16 column indices were hoisted out of the

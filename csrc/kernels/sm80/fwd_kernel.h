@@ -55,7 +55,8 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1) fwd_kernel(con
   Tensor lse = make_tensor<float>(Shape<Int<kRows>>{});
   if (n_min < n_max) {
     OnlineSoftmax<kRows> softmax(Softcap::softmax_scale(p) * float(M_LOG2E));
-    Mainloop::run(gQ, gK, gV, smem, mask, Softcap(p), m_block, n_min, n_max, acc_o, softmax);
+    Mainloop::run(gQ, gK, gV, smem, mask, Softcap(p), Alibi(p, tile.batch, head), m_block, n_min, n_max, acc_o,
+                  softmax);
     Tensor o_rc = rowcol_view(acc_o);
     softmax.finalize(o_rc, lse, Softcap::softmax_scale(p));
   } else {

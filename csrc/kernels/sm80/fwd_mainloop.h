@@ -9,6 +9,7 @@
 #include <cute/tensor.hpp>
 
 #include "kernels/common/mask.h"
+#include "kernels/common/alibi.h"
 #include "kernels/common/softcap.h"
 #include "kernels/sm80/utils.h"
 
@@ -27,7 +28,7 @@ struct FwdMainloop {
   // gQ: (kBlockM, d); gK, gV: (kBlockN, d, num_n_blocks). Runs key blocks [n_min, n_max).
   template <typename TensorQ, typename TensorK, typename TensorV, typename TensorO, typename Softmax>
   __device__ static void run(const TensorQ& gQ, const TensorK& gK, const TensorV& gV, char* smem,
-                             const WindowMask& mask, const Softcap& softcap, int m_block, int n_min,
+                             const WindowMask& mask, const Softcap& softcap, const Alibi& alibi, int m_block, int n_min,
                              int n_max, TensorO& acc_o, Softmax& softmax) {
     const int tid = threadIdx.x;
     Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});
@@ -81,6 +82,7 @@ struct FwdMainloop {
 
       gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, copy_q, copy_k, thr_copy_q, thr_copy_k);
       if (softcap.on()) softcap.tanh_scores(acc_s);
+      if (alibi.on()) alibi.apply(acc_s, tScS, mask, m_block * kBlockM, n * kBlockN);
       if (mask.block_needs_mask<kBlockM, kBlockN>(m_block, n)) {
         mask.apply(acc_s, tScS, m_block * kBlockM, n * kBlockN);
       }

@@ -18,6 +18,7 @@
 #include "kernels/common/block_info.h"
 #include "kernels/common/dq_semaphore.h"
 #include "kernels/common/mask.h"
+#include "kernels/common/alibi.h"
 #include "kernels/common/softcap.h"
 #include "kernels/sm90/bwd_traits.h"
 #include "kernels/sm90/utils.h"
@@ -174,7 +175,8 @@ struct BwdMainloop {
   __device__ static void scores(TiledMma& mma_sdp, const FragA& tSrK, const FragB& tSrQ, const FragA& tdPrV,
                                 const FragB& tdPrdO, Pipeline& pipeline_q, const PipelineState& st_q,
                                 Pipeline& pipeline_do, const PipelineState& st_do, typename Traits::SharedStorage& shared,
-                                int stats_offset, const WindowMask& mask, const Softcap& softcap, const Coords& tScS,
+                                int stats_offset, const WindowMask& mask, const Softcap& softcap, const Alibi& alibi,
+                                const Coords& tScS,
                                 int m, int n_block, float scale_log2, Acc& acc_s, Acc& acc_dp) {
     pipeline_q.consumer_wait(st_q);
     gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_sdp, tSrK, tSrQ(_, _, _, st_q.index()), acc_s);
@@ -183,6 +185,7 @@ struct BwdMainloop {
     warpgroup_wait<1>();  // S^T done, dP^T running
     warpgroup_fence_operand(acc_s);
     if (softcap.on()) softcap.tanh_scores(acc_s);
+    if (alibi.on()) alibi.apply</*kTransposed=*/true>(acc_s, tScS, mask, m * kBlockM, n_block * kBlockN);
     if (mask.block_needs_mask<kBlockM, kBlockN>(m, n_block))
       mask.apply</*kTransposed=*/true>(acc_s, tScS, m * kBlockM, n_block * kBlockN);
     Tensor s = colrow_view(acc_s);  // (query, key)
@@ -261,13 +264,14 @@ struct BwdMainloop {
     int i = 0;
 #pragma unroll 1
     for (int h = steps.head_begin; h < steps.head_begin + steps.heads; ++h) {
+      const Alibi alibi(params.problem, steps.batch, h);
 #pragma unroll 1
       for (int m = steps.m_max - 1; m >= steps.m_min; --m, ++i) {
         const int buf = i % Traits::kdSBuffers;
         Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
         Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
         scores<kBlockM>(mma_sdp, tSrK, tSrQ, tdPrV, tdPrdO, pipeline_q, st_q, pipeline_do, st_do, shared, 0, mask,
-                        softcap, tScS, m, n_block, scale_log2, acc_s, acc_dp);
+                        softcap, alibi, tScS, m, n_block, scale_log2, acc_s, acc_dp);
         Tensor rP = convert_type<Element>(acc_s);
         Tensor rdS = convert_type<Element>(acc_dp);
         copy(r2s_ds, thr_r2s_ds.retile_S(rdS), tdSsdS(_, _, _, buf));

@@ -108,7 +108,8 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
       clear(acc_o);
       Tensor acc_o_rc = rowcol_view(acc_o);
       OnlineSoftmax<decltype(size<0>(acc_o_rc))::value> softmax(Softcap::softmax_scale(p) * float(M_LOG2E));
-      Mainloop::mma(shared, pipeline_k, pipeline_v, state, ping_pong, mask, Softcap(p), tile.block, n_min, n_max, wg, tid,
+      Mainloop::mma(shared, pipeline_k, pipeline_v, state, ping_pong, mask, Softcap(p), Alibi(p, tile.batch, tile.head),
+                    tile.block, n_min, n_max, wg, tid,
                     acc_o, softmax);
       Tensor lse = make_tensor<float>(Shape<Int<decltype(size<0>(acc_o_rc))::value>>{});
       softmax.finalize(acc_o_rc, lse, Softcap::softmax_scale(p));

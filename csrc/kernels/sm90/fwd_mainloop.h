@@ -14,6 +14,7 @@
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
 #include "kernels/common/mask.h"
+#include "kernels/common/alibi.h"
 #include "kernels/common/softcap.h"
 #include "kernels/common/softmax.h"
 #include "kernels/sm90/fwd_traits.h"
@@ -169,7 +170,8 @@ struct FwdMainloop {
   __device__ __forceinline__ static void mma(typename Traits::SharedStorage& shared, PipelineKV& pipeline_k,
                                              PipelineKV& pipeline_v, ConsumerState& st,
                                              const WarpScheduler<Traits::kNMmaWarpGroups>& scheduler,
-                                             const WindowMask& mask, const Softcap& softcap, int m_block,
+                                             const WindowMask& mask, const Softcap& softcap, const Alibi& alibi,
+                                             int m_block,
                                              int n_min, int n_max, int wg, int tid, AccO& acc_o,
                                              Softmax& softmax) {
     typename Traits::TiledMmaQK mma_qk;
@@ -197,6 +199,7 @@ struct FwdMainloop {
     auto needs_mask = [&](int n) { return mask.block_needs_mask<kBlockM, kBlockN>(m_block, n); };
     auto scores = [&](auto& tSrS, int n_block, bool masked) {
       if (softcap.on()) softcap.tanh_scores(tSrS);
+      if (alibi.on()) alibi.apply(tSrS, tScS, mask, row_offset, n_block * kBlockN);
       if (masked) mask.apply(tSrS, tScS, row_offset, n_block * kBlockN);
     };
 

@@ -1,0 +1,47 @@
+// ALiBi (arch-neutral), FlashAttention-2's: the scaled score of query i and key j gets
+// -slope * |i + seqlen_k - seqlen_q - j| (the distance to the bottom-right-aligned diagonal)
+// before the softmax, with one slope per (batch, head). A runtime switch, uniform per call:
+// off (no slopes) costs one predicated branch per key block.
+#pragma once
+
+#include <cmath>
+
+#include "cutlass_flash/params.h"
+#include "kernels/common/mask.h"
+#include "kernels/common/softcap.h"
+
+namespace cutlass_flash {
+
+struct Alibi {
+  // Which slope: the (batch, head) of the tile, the same values the kernels hold for their own
+  // addressing, so that the switch adds no register live through the key loop (a held slope
+  // spilled 4 B at sm90 d = 256). The slope is read where it is used, once per key block.
+  // p: the kernel's parameters (constant memory: reading it costs no register either).
+  const AttnProblem* p = nullptr;
+  int batch = 0, head = 0;
+
+  Alibi() = default;
+  __host__ __device__ Alibi(const AttnProblem& problem, int b, int h) : p(&problem), batch(b), head(h) {}
+
+  __host__ __device__ bool on() const { return p->alibi_slopes != nullptr; }
+
+  // Adds the bias to a tile of scores; coords, offsets and kTransposed as WindowMask::apply (whose
+  // diagonal the distance is measured from).
+  template <bool kTransposed = false, typename TensorS, typename TensorC>
+  __device__ void apply(TensorS& scores, const TensorC& coords, const WindowMask& mask, int row_offset,
+                        int col_offset) const {
+    // The kernels multiply their scores (scale * q.k, or tanh(.) under softcap) by
+    // Softcap::softmax_scale inside the softmax; the bias is added before that, so the slope is
+    // divided by it (FlashAttention-2 divides its slope by scale_softmax the same way).
+    const float slope = p->alibi_slopes[batch * p->alibi_batch_stride + head] / Softcap::softmax_scale(*p);
+    const int shift = row_offset + mask.diag() - col_offset;  // distance = |row + shift - col|
+    CUTE_UNROLL
+    for (int i = 0; i < cute::size(scores); ++i) {
+      const int row = cute::get<kTransposed ? 1 : 0>(coords(i));
+      const int col = cute::get<kTransposed ? 0 : 1>(coords(i));
+      scores(i) -= slope * fabsf(float(row + shift - col));
+    }
+  }
+};
+
+}  // namespace cutlass_flash
