@@ -244,6 +244,15 @@ def check_alibi(alibi_slopes, batch, nheads, device):
         raise ValueError("alibi_slopes must have a contiguous last dimension; pass alibi_slopes.contiguous()")
 
 
+def check_feature_pairs(softcap, alibi_slopes):
+    """Feature combinations without a kernel path: softcap with ALiBi (the backward recovers
+    tanh's value from P, which the bias would shift; no model uses both)."""
+    if softcap > 0 and alibi_slopes is not None:
+        raise NotImplementedError(
+            "cutlass_flash: softcap and alibi_slopes together are not supported; pass one of them"
+        )
+
+
 def check_not_yet_supported(dropout_p, softcap, alibi_slopes):
     """Validates dropout_p and softcap (alibi_slopes: check_alibi), and raises
     NotImplementedError for the feature the kernels do not have yet (dropout) at any non-default
@@ -273,6 +282,7 @@ def check_call(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
     window_left, window_right = check_mask(causal, window_size, k.shape[1])
     check_not_yet_supported(dropout_p, softcap, alibi_slopes)
     check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device)
+    check_feature_pairs(softcap, alibi_slopes)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     return scale, window_left, window_right
@@ -362,6 +372,7 @@ def check_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     window_left, window_right = check_mask(causal, window_size, max(max_seqlen_k, 1))
     check_not_yet_supported(dropout_p, softcap, alibi_slopes)
     check_alibi(alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1], q.device)
+    check_feature_pairs(softcap, alibi_slopes)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     if os.environ.get(CHECK_CU_SEQLENS_ENV, "0") not in ("", "0"):

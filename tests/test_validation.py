@@ -170,6 +170,8 @@ BAD_ARGS = {
     "alibi-float64": (dict(alibi_slopes=torch.zeros(4, dtype=torch.float64)), TypeError,
                       r"alibi_slopes must be float32"),
     "alibi-shape": (dict(alibi_slopes=torch.zeros(3)), ValueError, r"alibi_slopes must have shape"),
+    "alibi-with-softcap": (dict(alibi_slopes=torch.zeros(4), softcap=5.0), NotImplementedError,
+                           r"softcap and alibi_slopes together are not supported"),
     "alibi-strided": (dict(alibi_slopes=torch.zeros(2, 8)[:, ::2]), ValueError,
                       r"alibi_slopes must have a contiguous last dimension"),
 }

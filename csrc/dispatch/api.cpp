@@ -204,6 +204,9 @@ Status check_problem(const AttnProblem& p, int arch, Direction dir) {
       return make(Status::kInvalidArgument, prefix(dir) + "total_q = " + to_string(p.total_q) + " and total_k = " +
                                                 to_string(p.total_k) + " must be positive");
   }
+  if (p.softcap > 0.f && p.alibi_slopes != nullptr)
+    return make(Status::kNotBuilt, prefix(dir) + "softcap and alibi_slopes together are not supported "
+                                                 "(the backward recovers tanh's value from P, which the bias shifts)");
   if (reinterpret_cast<uintptr_t>(p.alibi_slopes) % alignof(float) != 0 || p.alibi_batch_stride < 0)
     return make(Status::kInvalidArgument,
                 prefix(dir) + "alibi_slopes must be a 4-byte aligned float32 array with a batch stride >= 0");
