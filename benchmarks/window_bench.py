@@ -5,9 +5,9 @@ issue 11: a 4k window at 64k tokens in at most 1.2x the time of dense 4k sequenc
     python benchmarks/window_bench.py --tokens 65536 --window 4096 --head-dims 128 --out DIR
 
 For each head dim, one sequence of `tokens` with causal=True and window_size=(window, 0) against
-tokens / window sequences of `window` tokens with causal=True (the same number of query-key pairs
-up to the window's first rows), forward and forward + backward, timed side by side
-(cutlass_flash.benchmark.time_interleaved). FlashAttention-3 runs the same two calls where
+tokens / window sequences of `window` tokens, non-causal (the same work: every query sees
+`window` keys, but for the first window's rows) and causal (half of it), forward and forward +
+backward, timed side by side (cutlass_flash.benchmark.time_interleaved). FlashAttention-3 runs the same two calls where
 `flash_attn_interface` imports. Prints a markdown table (and writes it under --out).
 """
 import argparse
@@ -43,22 +43,22 @@ def _calls(head_dim, args, fa3):
                             requires_grad=True) for _ in range(3)]
     short_qkv = [torch.randn(args.tokens // args.window, args.window, nheads, head_dim,
                              device="cuda", dtype=dt, requires_grad=True) for _ in range(3)]
-    impls = {"ours": lambda q, k, v, w: cutlass_flash.flash_attn_func(q, k, v, causal=True,
-                                                                      window_size=w)}
+    impls = {"ours": lambda q, k, v, w, c: cutlass_flash.flash_attn_func(q, k, v, causal=c, window_size=w)}
     if fa3 is not None:
-        impls["fa3"] = lambda q, k, v, w: fa3.flash_attn_func(q, k, v, causal=True, window_size=w)
+        impls["fa3"] = lambda q, k, v, w, c: fa3.flash_attn_func(q, k, v, causal=c, window_size=w)
     calls = {}
     for name, fn in impls.items():
-        for shape, qkv, window in (("window", long_qkv, (args.window, 0)),
-                                   ("dense", short_qkv, (-1, -1))):
+        for shape, qkv, window, causal in (("window", long_qkv, (args.window, 0), True),
+                                           ("dense", short_qkv, (-1, -1), False),
+                                           ("dense-causal", short_qkv, (-1, -1), True)):
             dout = torch.randn_like(qkv[0])
 
-            def fwd(qkv=qkv, window=window, fn=fn):
+            def fwd(qkv=qkv, window=window, causal=causal, fn=fn):
                 with torch.no_grad():
-                    return fn(*qkv, window)
+                    return fn(*qkv, window, causal)
 
-            def fwdbwd(qkv=qkv, window=window, fn=fn, dout=dout):
-                out = fn(*qkv, window)
+            def fwdbwd(qkv=qkv, window=window, causal=causal, fn=fn, dout=dout):
+                out = fn(*qkv, window, causal)
                 out = out[0] if isinstance(out, tuple) else out
                 torch.autograd.grad(out, qkv, dout)
 
@@ -74,9 +74,11 @@ def main(argv=None):
     lines = ["# Sliding window against dense sequences of the window's size", ""]
     lines += [f"- {k}: {v}" for k, v in env.items()]
     lines += [f"- {args.tokens} tokens; window ({args.window}, 0) with causal against "
-              f"{args.tokens // args.window} causal sequences of {args.window}; bf16; "
-              f"nheads * head_dim = {args.hidden}; ms, median of {args.rounds} interleaved rounds", ""]
-    lines += ["| head_dim | impl | mode | window ms | dense ms | window / dense |", "|---|---|---|---|---|---|"]
+              f"{args.tokens // args.window} sequences of {args.window}, non-causal (the same work) and "
+              f"causal (half of it); bf16; nheads * head_dim = {args.hidden}; ms, median of "
+              f"{args.rounds} interleaved rounds", ""]
+    lines += ["| head_dim | impl | mode | window ms | dense ms | dense causal ms | window / dense | "
+              "window / dense causal |", "|---|---|---|---|---|---|---|---|"]
     for hd in args.head_dims:
         calls = _calls(hd, args, fa3)
         times = bench.time_interleaved({key: (fn, bench.contextlib.nullcontext) for key, fn in calls.items()},
@@ -84,7 +86,9 @@ def main(argv=None):
         for name in sorted({k[0] for k in calls}):
             for mode in ("fwd", "fwdbwd"):
                 w, d = times[(name, "window", mode)], times[(name, "dense", mode)]
-                lines.append(f"| {hd} | {name} | {mode} | {w:.3f} | {d:.3f} | {w / d:.2f}x |")
+                dc = times[(name, "dense-causal", mode)]
+                lines.append(f"| {hd} | {name} | {mode} | {w:.3f} | {d:.3f} | {dc:.3f} | {w / d:.2f}x | "
+                             f"{w / dc:.2f}x |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
