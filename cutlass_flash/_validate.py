@@ -101,15 +101,19 @@ def _inputs_fast(q, k, v, compiling):
     )
 
 
-def _check_inputs_detailed(q, k, v, compiling):
-    for name, t in zip(_NAMES, (q, k, v)):
+def _check_ranks(tensors, rank, layout):
+    """TypeError / ValueError unless q, k, v are tensors of `rank` dims (`layout` says which)."""
+    for name, t in zip(_NAMES, tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
+        if t.dim() != rank:
             raise ValueError(
-                f"{name} must be 4-D (batch, seqlen, nheads, head_dim), got {t.dim()}-D tensor "
-                f"of shape {tuple(t.shape)}"
+                f"{name} must be {rank}-D {layout}, got {t.dim()}-D tensor of shape {tuple(t.shape)}"
             )
+
+
+def _check_inputs_detailed(q, k, v, compiling):
+    _check_ranks((q, k, v), 4, "(batch, seqlen, nheads, head_dim)")
     if q.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"q must be torch.float16 or torch.bfloat16, got {q.dtype}")
     for name, t in (("k", k), ("v", v)):
@@ -351,14 +355,7 @@ def check_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     nheads_kv, head_dim), cu_seqlens int32 (batch + 1,). Returns (softmax_scale, window_left,
     window_right, max_seqlen_q, max_seqlen_k) as the kernels take them; the content of cu_seqlens
     is checked only under CHECK_CU_SEQLENS_ENV (it would need a synchronisation)."""
-    for name, t in zip(_NAMES, (q, k, v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 3:
-            raise ValueError(
-                f"{name} must be 3-D (total_tokens, nheads, head_dim) for flash_attn_varlen_func, "
-                f"got {t.dim()}-D tensor of shape {tuple(t.shape)}"
-            )
+    _check_ranks((q, k, v), 3, "(total_tokens, nheads, head_dim) for flash_attn_varlen_func")
     for name, t in (("q", q), ("k", k)):
         if t.shape[0] < 1:
             raise ValueError(f"{name} must have at least one row (total_tokens >= 1), got shape "
