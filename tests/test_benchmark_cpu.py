@@ -127,17 +127,36 @@ def test_fa3_column_and_ratio_with_a_stand_in(monkeypatch, fresh_fa3):
     assert "| 128 | 2048 | 8 x 16 | no | 600.0 | 300.0 | 500.0 | 2.00x | 1.20x |" in md
 
 
-def test_window_bench_arguments():
+def _bench_script(name):
     import importlib.util
     import os
 
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks",
-                        "window_bench.py")
-    spec = importlib.util.spec_from_file_location("window_bench", path)
-    window_bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(window_bench)
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_window_bench_arguments():
+    window_bench = _bench_script("window_bench")
     args = window_bench.parse_args([])
     assert (args.tokens, args.window, args.head_dims) == (65536, 4096, [64, 128, 256])
     assert window_bench.parse_args(["--tokens", "8192", "--window", "1024"]).window == 1024
     with pytest.raises(SystemExit):
         window_bench.parse_args(["--tokens", "5000", "--window", "4096"])
+
+
+def test_varlen_bench_documents():
+    """The packed batch: lengths within the bounds (the last one cut to fit), summing to the
+    tokens asked for, the same for the same seed; FLOPs counted per document."""
+    varlen_bench = _bench_script("varlen_bench")
+    lengths = varlen_bench.document_lengths(16384, 64, 4096, seed=0)
+    assert sum(lengths) == 16384
+    assert all(1 <= n <= 4096 for n in lengths) and all(n >= 64 for n in lengths[:-1])
+    assert lengths == varlen_bench.document_lengths(16384, 64, 4096, seed=0)
+    assert lengths != varlen_bench.document_lengths(16384, 64, 4096, seed=1)
+    work = varlen_bench._flops([100, 300], 8, 64, False, "fwd")
+    assert work == benchmark.attention_flops(1, 8, 100, 100, 64, False, "fwd") + \
+        benchmark.attention_flops(1, 8, 300, 300, 64, False, "fwd")
+
