@@ -13,7 +13,6 @@ problem (variable-length batches run on it until the sm90 family takes them). Fl
 (flash_attn_interface.flash_attn_varlen_func) runs beside ours where it imports.
 """
 import argparse
-import os
 import random
 import sys
 
@@ -89,17 +88,7 @@ def main(argv=None):
             for shape, fn, qkv in (("varlen", varlen_fn, packed), ("dense", dense_fn, dense)):
                 if fn is None:
                     continue
-                dout = torch.randn_like(qkv[0])
-
-                def fwd(fn=fn, qkv=qkv):
-                    with torch.no_grad():
-                        return fn(*qkv)
-
-                def fwdbwd(fn=fn, qkv=qkv, dout=dout):
-                    out = fn(*qkv)
-                    out = out[0] if isinstance(out, tuple) else out
-                    torch.autograd.grad(out, qkv, dout)
-
+                fwd, fwdbwd = bench.fwd_and_fwdbwd(fn, qkv, torch.randn_like(qkv[0]))
                 calls[(name, shape, "fwd")] = (fwd, bench.contextlib.nullcontext)
                 calls[(name, shape, "fwdbwd")] = (fwdbwd, bench.contextlib.nullcontext)
         times = bench.time_interleaved(calls, rounds=args.rounds, budget_ms=args.budget_ms)
@@ -113,12 +102,7 @@ def main(argv=None):
                     lines.append(f"| {hd} | {mode} | {name} | {var_tf:.1f} | {dense_tf:.1f} | {var_tf / dense_tf:.2f}x |")
                 else:
                     lines.append(f"| {hd} | {mode} | {name} | - | {dense_tf:.1f} | - |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"varlen-{args.tokens}{'-causal' if args.causal else ''}.md"), "w") as f:
-            f.write(text)
+    bench.write_report("\n".join(lines) + "\n", args.out, f"varlen-{args.tokens}{'-causal' if args.causal else ''}.md")
     return 0
 
 

@@ -11,7 +11,6 @@ backward, timed side by side (cutlass_flash.benchmark.time_interleaved). FlashAt
 `flash_attn_interface` imports. Prints a markdown table (and writes it under --out).
 """
 import argparse
-import os
 import sys
 
 import torch
@@ -51,17 +50,8 @@ def _calls(head_dim, args, fa3):
         for shape, qkv, window, causal in (("window", long_qkv, (args.window, 0), True),
                                            ("dense", short_qkv, (-1, -1), False),
                                            ("dense-causal", short_qkv, (-1, -1), True)):
-            dout = torch.randn_like(qkv[0])
-
-            def fwd(qkv=qkv, window=window, causal=causal, fn=fn):
-                with torch.no_grad():
-                    return fn(*qkv, window, causal)
-
-            def fwdbwd(qkv=qkv, window=window, causal=causal, fn=fn, dout=dout):
-                out = fn(*qkv, window, causal)
-                out = out[0] if isinstance(out, tuple) else out
-                torch.autograd.grad(out, qkv, dout)
-
+            fwd, fwdbwd = bench.fwd_and_fwdbwd(lambda q, k, v, fn=fn, w=window, c=causal: fn(q, k, v, w, c), qkv,
+                                               torch.randn_like(qkv[0]))
             calls[(name, shape, "fwd")] = fwd
             calls[(name, shape, "fwdbwd")] = fwdbwd
     return calls
@@ -89,12 +79,7 @@ def main(argv=None):
                 dc = times[(name, "dense-causal", mode)]
                 lines.append(f"| {hd} | {name} | {mode} | {w:.3f} | {d:.3f} | {dc:.3f} | {w / d:.2f}x | "
                              f"{w / dc:.2f}x |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"window-{args.tokens}-{args.window}.md"), "w") as f:
-            f.write(text)
+    bench.write_report("\n".join(lines) + "\n", args.out, f"window-{args.tokens}-{args.window}.md")
     return 0
 
 

@@ -257,10 +257,10 @@ def check_feature_pairs(softcap, alibi_slopes):
         )
 
 
-def check_not_yet_supported(dropout_p, softcap, alibi_slopes):
-    """Validates dropout_p and softcap (alibi_slopes: check_alibi), and raises
-    NotImplementedError for the feature the kernels do not have yet (dropout) at any non-default
-    value (never a silently different result)."""
+def check_not_yet_supported(dropout_p, softcap):
+    """Validates dropout_p and softcap, and raises NotImplementedError for the feature the
+    kernels do not have yet (dropout) at any non-default value (never a silently different
+    result)."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
         raise TypeError(f"dropout_p must be a float in [0, 1), got {type(dropout_p).__name__}")
     if not 0.0 <= dropout_p < 1.0:
@@ -276,6 +276,16 @@ def check_not_yet_supported(dropout_p, softcap, alibi_slopes):
         )
 
 
+def check_features(dropout_p, softcap, alibi_slopes, deterministic, batch, nheads, device):
+    """The feature arguments both call forms share: dropout_p, softcap, alibi_slopes (for `batch`
+    sequences of `nheads` heads on `device`), their combinations, deterministic."""
+    check_not_yet_supported(dropout_p, softcap)
+    check_alibi(alibi_slopes, batch, nheads, device)
+    check_feature_pairs(softcap, alibi_slopes)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+
+
 def check_call(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                deterministic):
     """The checks of a FlashAttention-2-style call (flash_attn_func and the low-level pair), in
@@ -284,11 +294,7 @@ def check_call(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
     check_inputs(q, k, v)
     scale = check_softmax_scale(softmax_scale, q.shape[3])
     window_left, window_right = check_mask(causal, window_size, k.shape[1])
-    check_not_yet_supported(dropout_p, softcap, alibi_slopes)
-    check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device)
-    check_feature_pairs(softcap, alibi_slopes)
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    check_features(dropout_p, softcap, alibi_slopes, deterministic, q.shape[0], q.shape[2], q.device)
     return scale, window_left, window_right
 
 
@@ -367,11 +373,8 @@ def check_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     max_seqlen_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k)
     scale = check_softmax_scale(softmax_scale, q.shape[2])
     window_left, window_right = check_mask(causal, window_size, max(max_seqlen_k, 1))
-    check_not_yet_supported(dropout_p, softcap, alibi_slopes)
-    check_alibi(alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1], q.device)
-    check_feature_pairs(softcap, alibi_slopes)
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    check_features(dropout_p, softcap, alibi_slopes, deterministic, cu_seqlens_q.shape[0] - 1, q.shape[1],
+                   q.device)
     if os.environ.get(CHECK_CU_SEQLENS_ENV, "0") not in ("", "0"):
         check_cu_seqlens_content("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
         check_cu_seqlens_content("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)

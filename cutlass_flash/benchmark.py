@@ -276,6 +276,30 @@ def time_interleaved(fns, warmup=3, rounds=5, budget_ms=200.0, max_batch=1000):
     return {label: statistics.median(t) for label, t in times.items()}
 
 
+def fwd_and_fwdbwd(fn, qkv, dout):
+    """The two timed calls of the benchmark scripts (benchmarks/*_bench.py) for fn(*qkv): the
+    forward without grad, and forward + backward for dout (fn may return (out, ...))."""
+    def fwd():
+        with torch.no_grad():
+            return fn(*qkv)
+
+    def fwdbwd():
+        out = fn(*qkv)
+        out = out[0] if isinstance(out, tuple) else out
+        torch.autograd.grad(out, qkv, dout)
+
+    return fwd, fwdbwd
+
+
+def write_report(text, out_dir, filename):
+    """Prints a script's markdown table and writes it under out_dir (when given)."""
+    print(text)
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, filename), "w") as f:
+            f.write(text)
+
+
 def attention_flops(batch, nheads, seqlen_q, seqlen_k, head_dim, causal, mode):
     f = 4.0 * batch * nheads * seqlen_q * seqlen_k * head_dim
     if causal:

@@ -160,3 +160,30 @@ def test_varlen_bench_documents():
     assert work == benchmark.attention_flops(1, 8, 100, 100, 64, False, "fwd") + \
         benchmark.attention_flops(1, 8, 300, 300, 64, False, "fwd")
 
+
+
+def test_fwd_and_fwdbwd_and_report(tmp_path, capsys):
+    """The scripts' shared helpers: the forward runs without grad, forward + backward runs the
+    backward for dout (tuple outputs too); the report is printed and written."""
+    seen = []
+
+    class Double(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(g.clone())
+            return g * 2
+
+    q = torch.randn(3, 4, requires_grad=True)
+    dout = torch.full((3, 4), 3.0)
+    fwd, fwdbwd = benchmark.fwd_and_fwdbwd(lambda x: (Double.apply(x), None), (q,), dout)
+    out, _ = fwd()
+    assert not out.requires_grad and seen == []
+    fwdbwd()
+    assert len(seen) == 1 and torch.equal(seen[0], dout)
+    benchmark.write_report("| a |\n", str(tmp_path / "r"), "t.md")
+    assert (tmp_path / "r" / "t.md").read_text() == "| a |\n"
+    assert "| a |" in capsys.readouterr().out
