@@ -57,7 +57,7 @@ TensorRef4 tensor(const Tensor& t) {
 AttnProblem problem(int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_kv, int head_dim,
                     float softmax_scale, int window_left, int window_right, float softcap,
                     const std::string& dtype, uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, int total_q,
-                    int total_k, uintptr_t alibi_slopes, int64_t alibi_batch_stride) {
+                    int total_k, uintptr_t alibi_slopes, int64_t alibi_batch_stride, float dropout_p, uintptr_t rng_state) {
   AttnProblem p;
   p.batch = batch;
   p.seqlen_q = seqlen_q;
@@ -76,6 +76,8 @@ AttnProblem problem(int batch, int seqlen_q, int seqlen_k, int nheads, int nhead
   p.total_k = total_k;
   p.alibi_slopes = reinterpret_cast<const float*>(alibi_slopes);
   p.alibi_batch_stride = alibi_batch_stride;
+  p.dropout_p = dropout_p;
+  p.rng_state = reinterpret_cast<const uint64_t*>(rng_state);
   return p;
 }
 
@@ -109,12 +111,12 @@ void fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, uin
          uintptr_t workspace, int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_kv, int head_dim,
          float softmax_scale, int window_left, int window_right, float softcap, const std::string& dtype,
          uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, int total_q, int total_k, uintptr_t alibi_slopes,
-         int64_t alibi_batch_stride, int arch, uintptr_t stream) {
+         int64_t alibi_batch_stride, float dropout_p, uintptr_t rng_state, int arch, uintptr_t stream) {
   FwdParams params;
   set_common(params, q, k, v, o, workspace,
              problem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, softmax_scale,
                      window_left, window_right, softcap, dtype, cu_seqlens_q, cu_seqlens_k, total_q, total_k, alibi_slopes,
-                     alibi_batch_stride));
+                     alibi_batch_stride, dropout_p, rng_state));
   params.lse = reinterpret_cast<float*>(lse);
   run_without_gil([&] { return run_fwd(params, arch, as_stream(stream)); });
 }
@@ -124,12 +126,12 @@ void bwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, con
          int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_kv, int head_dim,
          float softmax_scale, int window_left, int window_right, float softcap, const std::string& dtype,
          uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, int total_q, int total_k, uintptr_t alibi_slopes,
-         int64_t alibi_batch_stride, int arch, bool deterministic, uintptr_t stream) {
+         int64_t alibi_batch_stride, float dropout_p, uintptr_t rng_state, int arch, bool deterministic, uintptr_t stream) {
   BwdParams params;
   set_common(params, q, k, v, o, workspace,
              problem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, softmax_scale,
                      window_left, window_right, softcap, dtype, cu_seqlens_q, cu_seqlens_k, total_q, total_k, alibi_slopes,
-                     alibi_batch_stride));
+                     alibi_batch_stride, dropout_p, rng_state));
   params.dout = tensor(dout);
   params.lse = reinterpret_cast<const float*>(lse);
   params.dq = tensor(dq);
@@ -144,11 +146,11 @@ template <Direction kDir>
 size_t workspace_bytes(int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_kv,
                        int head_dim, float softmax_scale, int window_left, int window_right,
                        float softcap, const std::string& dtype, uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k,
-                       int total_q, int total_k, uintptr_t alibi_slopes, int64_t alibi_batch_stride, int arch,
+                       int total_q, int total_k, uintptr_t alibi_slopes, int64_t alibi_batch_stride, float dropout_p, uintptr_t rng_state, int arch,
                        bool deterministic) {
   const AttnProblem p = problem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, softmax_scale, window_left,
                                 window_right, softcap, dtype, cu_seqlens_q, cu_seqlens_k, total_q, total_k,
-                                alibi_slopes, alibi_batch_stride);
+                                alibi_slopes, alibi_batch_stride, dropout_p, rng_state);
   check(dispatch::check_problem(p, arch, kDir));
   return kDir == Direction::kForward ? fwd_workspace_bytes(p, arch) : bwd_workspace_bytes(p, arch, deterministic);
 }
@@ -156,12 +158,12 @@ size_t workspace_bytes(int batch, int seqlen_q, int seqlen_k, int nheads, int nh
 size_t fwd_workspace_bytes_py(int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_kv, int head_dim,
                               float softmax_scale, int window_left, int window_right, float softcap,
                               const std::string& dtype, uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k,
-                              int total_q, int total_k, uintptr_t alibi_slopes, int64_t alibi_batch_stride,
+                              int total_q, int total_k, uintptr_t alibi_slopes, int64_t alibi_batch_stride, float dropout_p, uintptr_t rng_state,
                               int arch) {
   return workspace_bytes<Direction::kForward>(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim,
                                               softmax_scale, window_left, window_right, softcap, dtype,
                                               cu_seqlens_q, cu_seqlens_k, total_q, total_k, alibi_slopes,
-                                              alibi_batch_stride, arch, false);
+                                              alibi_batch_stride, dropout_p, rng_state, arch, false);
 }
 
 py::list built() {
@@ -190,7 +192,8 @@ PYBIND11_MODULE(_C, m) {
       py::arg("nheads_kv"), py::arg("head_dim"), py::arg("softmax_scale"),                    \
       py::arg("window_left"), py::arg("window_right"), py::arg("softcap"), py::arg("dtype"),     \
       py::arg("cu_seqlens_q") = 0, py::arg("cu_seqlens_k") = 0, py::arg("total_q") = 0,          \
-      py::arg("total_k") = 0, py::arg("alibi_slopes") = 0, py::arg("alibi_batch_stride") = 0
+      py::arg("total_k") = 0, py::arg("alibi_slopes") = 0, py::arg("alibi_batch_stride") = 0,    \
+      py::arg("dropout_p") = 0.f, py::arg("rng_state") = 0
 
   m.def("fwd", &fwd, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"), py::arg("lse_ptr"),
         py::arg("workspace_ptr"), py::kw_only(), CUTLASS_FLASH_PROBLEM_ARGS, py::arg("arch"),

@@ -3,16 +3,19 @@
 Ops (visible to torch.compile as single nodes, with fake and autograd implementations):
 
   cutlass_flash::fwd(q, k, v, softmax_scale, window_left, window_right, arch, deterministic,
-                     softcap=0.0) -> (out, lse)
+                     softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None) -> (out, lse)
   cutlass_flash::bwd(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch,
-                     deterministic, softcap=0.0) -> (dq, dk, dv)
+                     deterministic, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
+                     rng_state=None) -> (dq, dk, dv)
 
 q: (batch, seqlen_q, nheads, head_dim); k, v: (batch, seqlen_k, nheads_kv, head_dim); last dim
 contiguous. out: like q (contiguous); lse: float32 (batch, nheads, seqlen_q), natural log, +inf for
 rows that see no key. dq, dk, dv: contiguous, shaped like q, k, v (the kernels sum the dK/dV of a
 GQA group). The window is relative to the bottom-right-aligned diagonal: (-1, -1) no mask, (-1, 0)
 causal. softcap > 0: the scaled scores x become softcap * tanh(x / softcap) (Gemma 2); lse is
-that of the capped scores. arch: kernel family, 0 = auto. deterministic: the backward accumulates dQ in a fixed
+that of the capped scores. dropout_p > 0: P is dropped with that probability under the mask
+rng_state (int64 (seed, offset) on q's device, cutlass_flash.dropout) draws, the same in both
+directions. arch: kernel family, 0 = auto. deterministic: the backward accumulates dQ in a fixed
 order (the forward only carries it to its autograd context).
 Head dims that are not instantiated are zero-padded here and the results sliced back.
 
@@ -27,7 +30,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from . import _dispatch, _validate
+from . import _dispatch, _validate, dropout
 
 _Tensor = torch.Tensor
 
@@ -38,7 +41,7 @@ def _ref4(t):
 
 
 def _problem(q, k, head_dim, softmax_scale, window_left, window_right, dtype_name, softcap=0.0,
-             varlen=None, alibi_slopes=None):
+             varlen=None, alibi_slopes=None, dropout_p=0.0, rng_state=None):
     batch, seqlen_q, nheads, _ = q.shape
     problem = dict(
         batch=batch,
@@ -56,6 +59,8 @@ def _problem(q, k, head_dim, softmax_scale, window_left, window_right, dtype_nam
     if alibi_slopes is not None:  # (nheads,) or (batch, nheads): one slope per head, or per both
         problem.update(alibi_slopes=alibi_slopes.data_ptr(),
                        alibi_batch_stride=alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0)
+    if dropout_p > 0:
+        problem.update(dropout_p=dropout_p, rng_state=rng_state.data_ptr())
     if varlen is not None:  # q, k: (1, total, nheads, head_dim) views of the packed tensors
         cu_q, cu_k, max_q, max_k = varlen
         problem.update(batch=cu_q.shape[0] - 1, seqlen_q=max_q, seqlen_k=max_k,
@@ -82,7 +87,7 @@ def _pad(t, pad):
 
 
 def _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, deterministic=False, softcap=0.0,
-              varlen=None, alibi_slopes=None):
+              varlen=None, alibi_slopes=None, dropout_p=0.0, rng_state=None):
     """The forward; varlen: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) with q, k, v
     the (1, total, nheads, head_dim) views of packed tensors."""
     _validate.check_op_tensors(q, k, v)
@@ -100,7 +105,7 @@ def _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, determini
     out = torch.empty((batch, seqlen_q, nheads, padded), dtype=q.dtype, device=device)
     lse = torch.empty(_lse_shape(q, varlen), dtype=torch.float32, device=device)
     problem = _problem(q, k, padded, softmax_scale, window_left, window_right, dtype_name, softcap, varlen,
-                       alibi_slopes)
+                       alibi_slopes, dropout_p, rng_state)
     workspace_bytes = C.fwd_workspace_bytes(**problem, arch=arch)
     workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device) if workspace_bytes else None
     _dispatch.launch(
@@ -133,14 +138,16 @@ def fwd_op(
     deterministic: bool,
     softcap: float = 0.0,
     alibi_slopes: Optional[_Tensor] = None,
+    dropout_p: float = 0.0,
+    rng_state: Optional[_Tensor] = None,
 ) -> tuple[_Tensor, _Tensor]:
     return _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, softcap=softcap,
-                     alibi_slopes=alibi_slopes)
+                     alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_state=rng_state)
 
 
 @fwd_op.register_fake
 def _fwd_fake(q, k, v, softmax_scale, window_left, window_right, arch, deterministic, softcap=0.0,
-              alibi_slopes=None):
+              alibi_slopes=None, dropout_p=0.0, rng_state=None):
     batch, seqlen_q, nheads, head_dim = q.shape
     out = q.new_empty((batch, seqlen_q, nheads, head_dim))
     lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
@@ -148,7 +155,8 @@ def _fwd_fake(q, k, v, softmax_scale, window_left, window_right, arch, determini
 
 
 def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch,
-              deterministic, dq=None, dk=None, dv=None, softcap=0.0, varlen=None, alibi_slopes=None):
+              deterministic, dq=None, dk=None, dv=None, softcap=0.0, varlen=None, alibi_slopes=None,
+              dropout_p=0.0, rng_state=None):
     """The backward; dq / dk / dv: buffers to write the gradients into (else new tensors). A
     buffer the kernels cannot write in place (a padded head dim, a layout they do not take) is
     filled by a copy. varlen: as for _fwd_impl."""
@@ -182,7 +190,7 @@ def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
     q, k, v, out, dout = (_pad(t, pad) for t in (q, k, v, out, dout))
     lse = lse.contiguous()
     problem = _problem(q, k, padded, softmax_scale, window_left, window_right, dtype_name, softcap, varlen,
-                       alibi_slopes)
+                       alibi_slopes, dropout_p, rng_state)
 
     def target(dest, shape):
         if dest is not None and not pad and _validate.is_kernel_layout(dest):
@@ -240,22 +248,33 @@ def bwd_op(
     deterministic: bool,
     softcap: float = 0.0,
     alibi_slopes: Optional[_Tensor] = None,
+    dropout_p: float = 0.0,
+    rng_state: Optional[_Tensor] = None,
 ) -> tuple[_Tensor, _Tensor, _Tensor]:
     return _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch,
-                     deterministic, softcap=softcap, alibi_slopes=alibi_slopes)
+                     deterministic, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                     rng_state=rng_state)
 
 
 @bwd_op.register_fake
 def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch,
-              deterministic, softcap=0.0, alibi_slopes=None):
+              deterministic, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+# The feature arguments after the ops' required ones, and their defaults.
+_FEATURES = {"softcap": 0.0, "alibi_slopes": None, "dropout_p": 0.0, "rng_state": None}
+
+
+def _features(passed):
+    """The feature arguments of a call as a dict, the ones not passed at their defaults."""
+    return dict(zip(_FEATURES, tuple(passed) + tuple(_FEATURES.values())[len(passed):]))
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, softmax_scale, window_left, window_right, arch, deterministic, *rest = inputs
     out, lse = output
-    ctx.softcap = rest[0] if rest else 0.0
-    ctx.alibi_slopes = rest[1] if len(rest) > 1 else None
+    ctx.features = _features(rest)
     ctx.num_inputs = len(inputs)
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.softmax_scale = softmax_scale
@@ -274,7 +293,7 @@ def _backward_with(bwd):
         if dout is None:
             dout = torch.zeros_like(out)
         dq, dk, dv = bwd(dout, q, k, v, out, lse, ctx.softmax_scale, *ctx.window, ctx.arch,
-                         ctx.deterministic, softcap=ctx.softcap, alibi_slopes=ctx.alibi_slopes)
+                         ctx.deterministic, **ctx.features)
         return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
 
     return backward
@@ -292,12 +311,12 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, softmax_scale, window_left, window_right, arch, deterministic, softcap,
-                alibi_slopes):
+                alibi_slopes, dropout_p, rng_state):
         out, lse = _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, softcap=softcap,
-                             alibi_slopes=alibi_slopes)
+                             alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_state=rng_state)
         _setup_context(
             ctx, (q, k, v, softmax_scale, window_left, window_right, arch, deterministic, softcap,
-                  alibi_slopes),
+                  alibi_slopes, dropout_p, rng_state),
             (out, lse),
         )
         return out, lse
@@ -316,6 +335,13 @@ def _plain_eager(q, k, v):
     )
 
 
+def _dropout_args(dropout_p, device):
+    """(dropout_p, rng_state) as the ops take them: a fresh (seed, offset) drawn from torch's
+    generator when dropout_p > 0 (cutlass_flash.dropout.new_rng_state)."""
+    dropout_p = float(dropout_p)
+    return (dropout_p, dropout.new_rng_state(device)) if dropout_p > 0 else (0.0, None)
+
+
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                     softcap=0.0, alibi_slopes=None, deterministic=False, return_lse=False):
     """Exact attention with FlashAttention kernels (CUTLASS/CuTe, sm80 and sm90 families).
@@ -328,7 +354,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         k, v: (batch, seqlen_k, nheads_kv, head_dim), same dtype and device; nheads must be a
             multiple of nheads_kv (MHA, GQA, MQA). head_dim: a multiple of 8, at most 256.
             Inputs may be non-contiguous if the last dim is contiguous (and rows 16-byte aligned).
-        dropout_p: must be 0.0 (dropout is not supported yet: NotImplementedError otherwise).
+        dropout_p: probability of dropping each attention probability (FlashAttention's
+            dropout on P; the kept ones are scaled by 1 / (1 - dropout_p)). The mask is drawn
+            from torch's CUDA generator (reproducible under torch.manual_seed, and a CUDA graph
+            draws anew on each replay); the backward uses the same mask.
+            cutlass_flash.dropout.keep_mask rebuilds it. Pass 0.0 at evaluation.
         softmax_scale: scale of q @ k^T before the softmax; default 1/sqrt(head_dim).
         causal: causal mask aligned to the bottom-right corner of the attention matrix (as in
             FlashAttention 2): query i sees keys j <= i + seqlen_k - seqlen_q. Query rows that see
@@ -356,13 +386,13 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     scale, window_left, window_right = _validate.check_call(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic)
     args = (q, k, v, scale, window_left, window_right, _dispatch._forced_arch, deterministic,
-            float(softcap), alibi_slopes)
+            float(softcap), alibi_slopes, *_dropout_args(dropout_p, q.device))
     if not _plain_eager(q, k, v):
         out, lse = _fwd(*args)
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out, lse = _EagerAttention.apply(*args)
-    else:
-        out, lse = _fwd_impl(*args)
+    else:  # the features by name: _fwd_impl's next positional parameter is varlen
+        out, lse = _fwd_impl(*args[:8], **_features(args[8:]))
     if return_lse:
         return out, lse
     return out
@@ -389,15 +419,18 @@ def varlen_fwd_op(
     deterministic: bool,
     softcap: float = 0.0,
     alibi_slopes: Optional[_Tensor] = None,
+    dropout_p: float = 0.0,
+    rng_state: Optional[_Tensor] = None,
 ) -> tuple[_Tensor, _Tensor]:
     return _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                             softmax_scale, window_left, window_right, arch, softcap=softcap,
-                            alibi_slopes=alibi_slopes)
+                            alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_state=rng_state)
 
 
 @varlen_fwd_op.register_fake
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                     window_left, window_right, arch, deterministic, softcap=0.0, alibi_slopes=None):
+                     window_left, window_right, arch, deterministic, softcap=0.0, alibi_slopes=None,
+                     dropout_p=0.0, rng_state=None):
     total_q, nheads, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((nheads, total_q), dtype=torch.float32)
 
@@ -421,43 +454,42 @@ def varlen_bwd_op(
     deterministic: bool,
     softcap: float = 0.0,
     alibi_slopes: Optional[_Tensor] = None,
+    dropout_p: float = 0.0,
+    rng_state: Optional[_Tensor] = None,
 ) -> tuple[_Tensor, _Tensor, _Tensor]:
     return _varlen_bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                             max_seqlen_k, softmax_scale, window_left, window_right, arch,
-                            deterministic, softcap=softcap, alibi_slopes=alibi_slopes)
+                            deterministic, softcap=softcap, alibi_slopes=alibi_slopes,
+                            dropout_p=dropout_p, rng_state=rng_state)
 
 
 def _varlen_bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      softmax_scale, window_left, window_right, arch, deterministic, dq=None, dk=None,
-                     dv=None, softcap=0.0, alibi_slopes=None):
+                     dv=None, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None):
     def view(t):
         return None if t is None else t.unsqueeze(0)
 
     grads = _bwd_impl(view(dout), view(q), view(k), view(v), view(out), lse, softmax_scale,
                       window_left, window_right, arch, deterministic, view(dq), view(dk), view(dv),
                       softcap=softcap, varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
-                      alibi_slopes=alibi_slopes)
+                      alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_state=rng_state)
     return tuple(g.squeeze(0) if d is None else d for g, d in zip(grads, (dq, dk, dv)))
 
 
 @varlen_bwd_op.register_fake
 def _varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      softmax_scale, window_left, window_right, arch, deterministic, softcap=0.0,
-                     alibi_slopes=None):
+                     alibi_slopes=None, dropout_p=0.0, rng_state=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-_VARLEN_KEYS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale",
-                "window_left", "window_right", "arch", "deterministic", "softcap", "alibi_slopes")
-
-
 def _varlen_setup_context(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, *rest = inputs
+    q, k, v, cu_q, cu_k, max_q, max_k, scale, wl, wr, arch, deterministic, *rest = inputs
     out, lse = output
     ctx.num_inputs = len(inputs)
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-    defaults = {"softcap": 0.0, "alibi_slopes": None}
-    ctx.scalars = tuple(rest) + tuple(defaults[key] for key in _VARLEN_KEYS[2 + len(rest):])
+    ctx.scalars = (max_q, max_k, scale, wl, wr, arch, deterministic)
+    ctx.features = _features(rest)
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)
 
@@ -467,9 +499,7 @@ def _varlen_backward_with(bwd):
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        max_q, max_k, scale, wl, wr, arch, deterministic, softcap, alibi_slopes = ctx.scalars
-        dq, dk, dv = bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, wl, wr, arch,
-                         deterministic, softcap=softcap, alibi_slopes=alibi_slopes)
+        dq, dk, dv = bwd(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.scalars, **ctx.features)
         return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
 
     return backward
@@ -485,9 +515,9 @@ class _EagerVarlenAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, arch,
-                deterministic, softcap, alibi_slopes):
+                deterministic, softcap, alibi_slopes, dropout_p, rng_state):
         inputs = (q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, arch,
-                  deterministic, softcap, alibi_slopes)
+                  deterministic, softcap, alibi_slopes, dropout_p, rng_state)
         out, lse = _varlen_fwd_impl(*inputs)
         _varlen_setup_context(ctx, inputs, (out, lse))
         return out, lse
@@ -496,10 +526,10 @@ class _EagerVarlenAttention(torch.autograd.Function):
 
 
 def _varlen_fwd_impl(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, arch,
-                     deterministic=False, softcap=0.0, alibi_slopes=None):
+                     deterministic=False, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None):
     out, lse = _fwd_impl(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), softmax_scale, window_left,
                          window_right, arch, softcap=softcap, varlen=(cu_q, cu_k, max_q, max_k),
-                         alibi_slopes=alibi_slopes)
+                         alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_state=rng_state)
     return out.squeeze(0), lse
 
 
@@ -525,14 +555,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
     cu_seqlens content is not checked by default (that needs a synchronisation): bad content gives
     wrong numbers but no access outside the tensors; CUTLASS_FLASH_CHECK_CU_SEQLENS=1 checks it
-    on every call and raises ValueError. Variable-length batches run on the sm80 kernel family
-    (the sm90 family has no variable-length kernels yet).
+    on every call and raises ValueError. Dropout's mask of sequence b is the dense mask's
+    [b, :, :len_q(b), :len_k(b)] (cutlass_flash.dropout.keep_mask over (batch, nheads,
+    max_seqlen_q, max_seqlen_k)).
     """
     scale, window_left, window_right, max_seqlen_q, max_seqlen_k = _validate.check_varlen_call(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
         causal, window_size, softcap, alibi_slopes, deterministic)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
-            window_right, _dispatch._forced_arch, deterministic, float(softcap), alibi_slopes)
+            window_right, _dispatch._forced_arch, deterministic, float(softcap), alibi_slopes,
+            *_dropout_args(dropout_p, q.device))
     if not _plain_eager(q, k, v):
         out, lse = _varlen_fwd(*args)
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):

@@ -257,10 +257,8 @@ def check_feature_pairs(softcap, alibi_slopes):
         )
 
 
-def check_not_yet_supported(dropout_p, softcap):
-    """Validates dropout_p and softcap, and raises NotImplementedError for the feature the
-    kernels do not have yet (dropout) at any non-default value (never a silently different
-    result)."""
+def check_dropout_softcap(dropout_p, softcap):
+    """Validates dropout_p (a float in [0, 1)) and softcap (a finite float >= 0)."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
         raise TypeError(f"dropout_p must be a float in [0, 1), got {type(dropout_p).__name__}")
     if not 0.0 <= dropout_p < 1.0:
@@ -269,17 +267,32 @@ def check_not_yet_supported(dropout_p, softcap):
         raise TypeError(f"softcap must be a float >= 0, got {type(softcap).__name__}")
     if not (softcap >= 0.0 and math.isfinite(softcap)):
         raise ValueError(f"softcap must be a finite float >= 0 (0: off), got {softcap}")
-    if dropout_p > 0:
-        raise NotImplementedError(
-            "cutlass_flash: dropout_p > 0 is not supported yet (the kernels have no such path); "
-            "call with the default value"
+
+
+def check_rng_state(rng_state, dropout_p, device):
+    """The (seed, offset) a backward with dropout_p > 0 must be given: the forward's rng_state,
+    int64 of shape (2,) on q's device (ignored when dropout_p is 0)."""
+    if dropout_p == 0:
+        return
+    if rng_state is None:
+        raise ValueError("dropout_p > 0 needs the forward's rng_state (returned by the forward), got None")
+    if not isinstance(rng_state, torch.Tensor):
+        raise TypeError(f"rng_state must be a torch.Tensor, got {type(rng_state).__name__}")
+    if rng_state.dtype != torch.int64 or tuple(rng_state.shape) != (2,) or not rng_state.is_contiguous():
+        raise ValueError(
+            f"rng_state must be a contiguous int64 tensor of shape (2,) (seed, offset), got "
+            f"{rng_state.dtype} {tuple(rng_state.shape)}"
         )
+    if rng_state.device != device:
+        raise ValueError(f"rng_state must be on q's device {device}, got {rng_state.device}")
+    if rng_state.data_ptr() % 16:
+        raise ValueError("rng_state must be 16-byte aligned (pass rng_state.clone())")
 
 
 def check_features(dropout_p, softcap, alibi_slopes, deterministic, batch, nheads, device):
     """The feature arguments both call forms share: dropout_p, softcap, alibi_slopes (for `batch`
     sequences of `nheads` heads on `device`), their combinations, deterministic."""
-    check_not_yet_supported(dropout_p, softcap)
+    check_dropout_softcap(dropout_p, softcap)
     check_alibi(alibi_slopes, batch, nheads, device)
     check_feature_pairs(softcap, alibi_slopes)
     if not isinstance(deterministic, bool):

@@ -41,8 +41,8 @@ SDPA_LABEL = {"sdpa-flash": "FA2", "sdpa-cudnn": "cuDNN", "sdpa-efficient": "eff
 RATIO_REFS = ("sdpa-flash", "sdpa-cudnn", "fa3")
 REF_LABEL = {**SDPA_LABEL, "fa3": "FA3"}
 # Every --impls value; ours-det is ours with deterministic=True, ours-softcap with softcap=SOFTCAP,
-# ours-alibi with ALiBi slopes.
-IMPLS = ("ours", "ours-det", "ours-softcap", "ours-alibi", *SDPA_IMPLS, "fa3")
+# ours-alibi with ALiBi slopes, ours-dropout with dropout_p=DROPOUT.
+IMPLS = ("ours", "ours-det", "ours-softcap", "ours-alibi", "ours-dropout", *SDPA_IMPLS, "fa3")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -128,7 +128,8 @@ def parse_args(argv=None):
                    help="default: ours,sdpa-flash,sdpa-cudnn,sdpa-efficient,fa3 (fa3: "
                         "FlashAttention-3, skipped with a note where flash_attn_interface does "
                         "not import); ours-det: ours with deterministic=True; ours-softcap: "
-                        f"ours with softcap={SOFTCAP:g}; ours-alibi: ours with ALiBi slopes")
+                        f"ours with softcap={SOFTCAP:g}; ours-alibi: ours with ALiBi slopes; "
+                        f"ours-dropout: ours with dropout_p={DROPOUT:g}")
     p.add_argument("--total-tokens", type=int, default=16384, help="batch * seqlen (16384)")
     p.add_argument("--hidden", type=int, default=2048, help="nheads * head_dim (2048)")
     p.add_argument("--rounds", type=int, default=5,
@@ -313,15 +314,17 @@ def attention_flops(batch, nheads, seqlen_q, seqlen_k, head_dim, causal, mode):
 
 # ours-softcap's cap: Gemma 2's attn_logit_softcapping.
 SOFTCAP = 50.0
+# ours-dropout's probability: FlashAttention's and BERT/GPT-2's attention dropout.
+DROPOUT = 0.1
 
 
-def _ours(causal, deterministic=False, softcap=0.0, alibi=False):
+def _ours(causal, deterministic=False, softcap=0.0, alibi=False, dropout_p=0.0):
     def fwd(q, k, v):
         slopes = None
         if alibi:  # ALiBi's usual slopes, 2^(-8 (h + 1) / H)
             heads = torch.arange(q.shape[2], device=q.device, dtype=torch.float32)
             slopes = torch.pow(2.0, -8.0 * (heads + 1) / q.shape[2])
-        return cutlass_flash.flash_attn_func(q, k, v, causal=causal, softcap=softcap,
+        return cutlass_flash.flash_attn_func(q, k, v, dropout_p=dropout_p, causal=causal, softcap=softcap,
                                              alibi_slopes=slopes, deterministic=deterministic)
     return fwd
 
@@ -436,6 +439,8 @@ def implementations(args):
             out.append((impl, lambda causal: _ours(causal, softcap=SOFTCAP), contextlib.nullcontext))
         elif impl == "ours-alibi":  # ALiBi slopes per head, kernel family automatic
             out.append((impl, lambda causal: _ours(causal, alibi=True), contextlib.nullcontext))
+        elif impl == "ours-dropout":  # dropout_p=DROPOUT, kernel family automatic
+            out.append((impl, lambda causal: _ours(causal, dropout_p=DROPOUT), contextlib.nullcontext))
         elif impl == "fa3":
             if _fa3_interface() is not None:
                 out.append(("fa3", _fa3, contextlib.nullcontext))

@@ -31,17 +31,24 @@ def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_l
     """(out, softmax_lse, S_dmask, rng_state), as FlashAttention-2's.
 
     out: like q; softmax_lse: float32 (batch, nheads, seqlen_q), +inf for rows that see no key;
-    S_dmask: an empty tensor (return_softmax=True is not supported); rng_state: an empty int64
-    tensor (no dropout). softmax_scale None: 1/sqrt(head_dim).
+    S_dmask: an empty tensor (return_softmax=True is not supported; cutlass_flash.dropout.keep_mask
+    rebuilds the dropout mask); rng_state: int64 (seed, offset) of the dropout mask, for the
+    backward (an empty tensor when dropout_p is 0). softmax_scale None: 1/sqrt(head_dim).
     """
     scale, left, right = _validate.check_call(q, k, v, dropout_p, softmax_scale, causal,
                                               (window_size_left, window_size_right), softcap,
                                               alibi_slopes, False)
     if return_softmax:
         raise NotImplementedError("cutlass_flash: return_softmax=True is not supported")
+    dropout_p, rng_state = _ops._dropout_args(dropout_p, q.device)
     out, lse = _ops._fwd_impl(q.detach(), k.detach(), v.detach(), scale, left, right,
-                              _dispatch._forced_arch, softcap=float(softcap), alibi_slopes=alibi_slopes)
-    return out, lse, q.new_empty((0,)), torch.empty((0,), dtype=torch.int64, device=q.device)
+                              _dispatch._forced_arch, softcap=float(softcap), alibi_slopes=alibi_slopes,
+                              dropout_p=dropout_p, rng_state=rng_state)
+    return out, lse, q.new_empty((0,)), _rng_state_out(rng_state, q.device)
+
+
+def _rng_state_out(rng_state, device):
+    return torch.empty((0,), dtype=torch.int64, device=device) if rng_state is None else rng_state
 
 
 def _check_grad_buffer(name, buf, like):
@@ -63,11 +70,13 @@ def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p,
     """Writes the gradients of attention(q, k, v) for dout into dq, dk, dv (new tensors where
     None) and returns softmax_d = rowsum(dout * out), float32 (batch, nheads, seqlen_q rounded up
     to 128), as FlashAttention-2's. out and softmax_lse are taken as given (they need not come
-    from _flash_attn_forward on these k, v: ring attention passes the merged ones).
+    from _flash_attn_forward on these k, v: ring attention passes the merged ones). dropout_p > 0
+    needs the forward's rng_state.
     """
     scale, left, right = _validate.check_call(q, k, v, dropout_p, softmax_scale, causal,
                                               (window_size_left, window_size_right), softcap,
                                               alibi_slopes, deterministic)
+    _validate.check_rng_state(rng_state, dropout_p, q.device)
     for name, t in (("dout", dout), ("out", out)):
         if not isinstance(t, torch.Tensor) or t.shape != q.shape or t.dtype != q.dtype:
             raise ValueError(f"{name} must be a tensor like q ({tuple(q.shape)} {q.dtype})")
@@ -76,7 +85,8 @@ def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p,
     dq, dk, dv = _ops._bwd_impl(dout.detach(), q.detach(), k.detach(), v.detach(), out.detach(),
                                 softmax_lse, scale, left, right, _dispatch._forced_arch,
                                 deterministic, dq, dk, dv, softcap=float(softcap),
-                                alibi_slopes=alibi_slopes)
+                                alibi_slopes=alibi_slopes, dropout_p=float(dropout_p),
+                                rng_state=rng_state if dropout_p > 0 else None)
     batch, seqlen_q, nheads, _ = q.shape
     rounded = -(-seqlen_q // _SOFTMAX_D_PAD) * _SOFTMAX_D_PAD
     softmax_d = torch.zeros((batch, nheads, rounded), dtype=torch.float32, device=q.device)
@@ -104,10 +114,12 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     _unsupported_varlen(block_table, leftpad_k, seqused_k)
     if return_softmax:
         raise NotImplementedError("cutlass_flash: return_softmax=True is not supported")
+    dropout_p, rng_state = _ops._dropout_args(dropout_p, q.device)
     out, lse = _ops._varlen_fwd_impl(q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k,
                                      max_q, max_k, scale, left, right, _dispatch._forced_arch,
-                                     softcap=float(softcap), alibi_slopes=alibi_slopes)
-    return out, lse, q.new_empty((0,)), torch.empty((0,), dtype=torch.int64, device=q.device)
+                                     softcap=float(softcap), alibi_slopes=alibi_slopes,
+                                     dropout_p=dropout_p, rng_state=rng_state)
+    return out, lse, q.new_empty((0,)), _rng_state_out(rng_state, q.device)
 
 
 def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q,
@@ -121,6 +133,7 @@ def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_
     scale, left, right, max_q, max_k = _validate.check_varlen_call(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
         causal, (window_size_left, window_size_right), softcap, alibi_slopes, deterministic)
+    _validate.check_rng_state(rng_state, dropout_p, q.device)
     for name, t in (("dout", dout), ("out", out)):
         if not isinstance(t, torch.Tensor) or t.shape != q.shape or t.dtype != q.dtype:
             raise ValueError(f"{name} must be a tensor like q ({tuple(q.shape)} {q.dtype})")
@@ -129,7 +142,8 @@ def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_
     _ops._varlen_bwd_impl(dout.detach(), q.detach(), k.detach(), v.detach(), out.detach(),
                           softmax_lse, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, left, right,
                           _dispatch._forced_arch, deterministic, dq, dk, dv, softcap=float(softcap),
-                          alibi_slopes=alibi_slopes)
+                          alibi_slopes=alibi_slopes, dropout_p=float(dropout_p),
+                          rng_state=rng_state if dropout_p > 0 else None)
     total_q, nheads, _ = q.shape
     batch = cu_seqlens_q.shape[0] - 1
     rows = torch.arange(total_q, device=q.device)

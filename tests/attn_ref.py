@@ -45,8 +45,11 @@ def alibi_bias(slopes, batch, nheads, seqlen_q, seqlen_k, device, dtype):
     return -slopes.view(batch, nheads, 1, 1) * dist
 
 
-def attention_ref(q, k, v, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None):
-    """Returns (out, lse) computed in q's dtype.
+def attention_ref(q, k, v, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None,
+                  dropout_p=0.0, keep=None):
+    """Returns (out, lse) computed in q's dtype. keep: bool (batch, nheads, seqlen_q, seqlen_k),
+    dropout's mask (cutlass_flash.dropout.keep_mask): P is multiplied by keep / (1 - dropout_p)
+    (lse is that of the undropped scores).
 
     q: (batch, seqlen_q, nheads, d); k, v: (batch, seqlen_k, nheads_kv, d). out: like q.
     lse: (batch, nheads, seqlen_q), +inf for rows that see no key (whose out is 0), as the kernels.
@@ -74,19 +77,21 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, window=(-1, -1), so
     if empty_rows is not None:  # (no data-dependent branch: keeps CUDA graph capture working)
         attn = attn.masked_fill(empty_rows.view(-1, 1), 0.0)
         lse = lse.masked_fill(empty_rows, float("inf"))
+    if keep is not None:
+        attn = attn * keep.to(attn.dtype) / (1.0 - dropout_p)
     out = torch.einsum("bhts,bshd->bthd", attn, v)
     return out, lse
 
 
 def reference_outputs(q, k, v, dout, causal=False, softmax_scale=None, dtype=None, window=(-1, -1),
-                      softcap=0.0, alibi_slopes=None):
+                      softcap=0.0, alibi_slopes=None, dropout_p=0.0, keep=None):
     """(out, lse, dq, dk, dv) of attention_ref on detached copies of q, k, v cast to ``dtype``
     (default: their own), with gradients for ``dout``. ``window``: (left, right) as the kernels
     take it (causal=True overrides it with (-1, 0))."""
     dtype = q.dtype if dtype is None else dtype
     leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
     out, lse = attention_ref(*leaves, causal=causal, softmax_scale=softmax_scale, window=window,
-                             softcap=softcap, alibi_slopes=alibi_slopes)
+                             softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, keep=keep)
     dq, dk, dv = torch.autograd.grad(out, leaves, dout.to(dtype))
     return out.detach(), lse.detach(), dq, dk, dv
 

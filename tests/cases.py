@@ -48,6 +48,7 @@ class Case:
     window: tuple = (-1, -1)  # flash_attn_func's window_size (with causal: right = 0)
     softcap: float = 0.0
     alibi: int = 0  # ALiBi slopes: 0 none, 1 (nheads,), 2 (batch, nheads)
+    dropout: float = 0.0  # dropout_p
 
     @property
     def id(self):
@@ -60,6 +61,7 @@ class Case:
         s += f"-qx{self.q_scale:g}" if self.q_scale != 1.0 else ""
         s += f"-w{self.window[0]}_{self.window[1]}" if self.window != (-1, -1) else ""
         s += f"-alibi{self.alibi}" if self.alibi else ""
+        s += f"-drop{self.dropout:g}" if self.dropout else ""
         return s + (f"-cap{self.softcap:g}" if self.softcap else "")
 
     def alibi_slopes(self, device):
@@ -258,6 +260,24 @@ def alibi_cases():
                 out.append(Case(2, (113, 239)[causal], (239, 200)[causal], 4, (4, 2)[i % 2], hd,
                                 ("bf16", "fp16")[i % 2], causal, arch, alibi=1 + (i + causal) % 2,
                                 window=(-1, -1) if i % 3 else (64, 16)))
+    return out
+
+
+def dropout_cases():
+    """dropout_p at every head dim, causal or not, GQA, awkward lengths (1, 17, 113, 239 and
+    seqlen_q != seqlen_k), with a window, softcap or ALiBi beside it; per family."""
+    out = []
+    for arch in kernel_archs():
+        for i, hd in enumerate(head_dims()):
+            for causal in (False, True):
+                # Not seqlen_k = 1: with one key the softmax's gradient is exactly 0 in PyTorch's
+                # same-dtype path (the rule's bound is then the slack), while the kernels take D =
+                # rowsum(dO * O) from the rounded O, which under dropout is V / (1 - p) rounded:
+                # dq = 0.019 at bf16 (FlashAttention-2 computes D the same way).
+                sq, sk = ((113, 239), (239, 113), (17, 33), (1, 17))[(i + 2 * causal) % 4]
+                out.append(Case(2, sq, sk, 4, (4, 2)[i % 2], hd, ("bf16", "fp16")[i % 2], causal, arch,
+                                dropout=(0.17, 0.5)[causal], window=(-1, -1) if i % 3 else (64, 16),
+                                softcap=10.0 if i % 4 == 1 else 0.0, alibi=1 if i % 4 == 2 else 0))
     return out
 
 

@@ -12,6 +12,7 @@ import ctypes
 import torch
 
 from attn_ref import alibi_bias, attention_ref, window_mask
+from cutlass_flash.dropout import keep_mask
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -102,6 +103,7 @@ class FakeC:
         assert lse_ptr % 16 == 0
         lse = self._lse(p, lse_ptr)
         for b, (sq, sk, lse_b) in enumerate(self._sequences(p, lse)):
+            keep = self._keep(p, b, Q[sq].shape[1], K[sk].shape[1])
             if K[sk].shape[1] == 0:  # a sequence without keys: its rows see none
                 Out[sq].zero_()
                 lse_b.fill_(float("inf"))
@@ -109,7 +111,7 @@ class FakeC:
             out, lse_ref = attention_ref(
                 Q[sq].double(), K[sk].double(), V[sk].double(), softmax_scale=p["softmax_scale"],
                 window=(p["window_left"], p["window_right"]), softcap=p["softcap"],
-                alibi_slopes=self._slopes(p, b),
+                alibi_slopes=self._slopes(p, b), dropout_p=p["dropout_p"], keep=keep,
             )
             Out[sq].copy_(out)
             lse_b.copy_(lse_ref)
@@ -131,7 +133,8 @@ class FakeC:
                 dK[sk].zero_()
                 dV[sk].zero_()
                 continue
-            gq, gk, gv = self._grads(p, Q[sq], K[sk], V[sk], O[sq], dO[sq], lse_b, self._slopes(p, b))
+            keep = self._keep(p, b, Q[sq].shape[1], K[sk].shape[1])
+            gq, gk, gv = self._grads(p, Q[sq], K[sk], V[sk], O[sq], dO[sq], lse_b, self._slopes(p, b), keep)
             dQ[sq].copy_(gq)
             dK[sk].copy_(gk)
             dV[sk].copy_(gv)
@@ -145,8 +148,19 @@ class FakeC:
         slopes = _raw(p["alibi_slopes"], (B, H), (p["alibi_batch_stride"], 1), torch.float32, self.device)
         return slopes[sequence:sequence + 1] if p["cu_seqlens_q"] else slopes
 
+    def _keep(self, p, sequence, seqlen_q, seqlen_k):
+        """Dropout's mask of a sequence (the whole batch when dense) as the kernels draw it, from
+        the rng_state they read; None when off."""
+        if not p["dropout_p"]:
+            return None
+        rng_state = _raw(p["rng_state"], (2,), (1,), torch.int64, self.device)
+        keep = keep_mask(rng_state, p["batch"], p["nheads"], p["seqlen_q"], p["seqlen_k"], p["dropout_p"])
+        if p["cu_seqlens_q"]:
+            return keep[sequence:sequence + 1, :, :seqlen_q, :seqlen_k]
+        return keep
+
     @staticmethod
-    def _grads(p, Q, K, V, O, dO, lse, slopes=None):
+    def _grads(p, Q, K, V, O, dO, lse, slopes=None, keep=None):
         """Gradients of one (batch, seqlen, heads, d) problem, by hand (the op runs below
         autograd)."""
         group = p["nheads"] // p["nheads_kv"]
@@ -174,8 +188,10 @@ class FakeC:
             scores = scores.masked_fill(~allowed, float("-inf"))
         probs = torch.exp(scores - lse.double().unsqueeze(-1))
         probs = probs.nan_to_num(nan=0.0)  # -inf - (+inf) rows: no key
-        gv = torch.einsum("bhts,bthd->bshd", probs, do64)
-        dp = torch.einsum("bthd,bshd->bhts", do64, v64)
+        # Dropout: O = (P * keep / (1 - p)) V, so dV takes the dropped P and dP is masked alike.
+        drop = 1.0 if keep is None else keep.double() / (1.0 - p["dropout_p"])
+        gv = torch.einsum("bhts,bthd->bshd", probs * drop, do64)
+        dp = torch.einsum("bthd,bshd->bhts", do64, v64) * drop
         d_row = (do64 * O.double()).sum(-1).transpose(1, 2).unsqueeze(-1)  # (b, h, t, 1)
         ds = probs * (dp - d_row)
         if cap > 0:
@@ -216,7 +232,7 @@ class FakeC:
              "window_left", "window_right", "softcap", "dtype", "arch")
     # The binding's variable-length keywords and their defaults (a dense batch).
     _VARLEN_KEYS = {"cu_seqlens_q": 0, "cu_seqlens_k": 0, "total_q": 0, "total_k": 0,
-                    "alibi_slopes": 0, "alibi_batch_stride": 0}
+                    "alibi_slopes": 0, "alibi_batch_stride": 0, "dropout_p": 0.0, "rng_state": 0}
 
     def _problem(self, direction, kw, check_built=True):
         kw = dict(kw)
@@ -237,6 +253,9 @@ class FakeC:
             raise ValueError("nheads must be a multiple of nheads_kv")
         assert isinstance(kw["softmax_scale"], float)
         assert isinstance(kw["softcap"], float) and kw["softcap"] >= 0
+        assert isinstance(kw["dropout_p"], float) and 0 <= kw["dropout_p"] < 1
+        if kw["dropout_p"] > 0 and (not kw["rng_state"] or kw["rng_state"] % 16):
+            raise ValueError("dropout_p > 0 needs rng_state: two int64 in device memory, 16-byte aligned")
         key = (kw["arch"], direction, kw["head_dim"], kw["dtype"])
         if check_built:
             if key not in self.built:

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import cutlass_flash
+import cutlass_flash.dropout
 from attn_ref import assert_within_tolerance, reference_outputs, slack
 from cases import make_dout, make_inputs, missing_kernels
 
@@ -40,18 +41,24 @@ def check_case(case, device="cuda"):
     q, k, v = make_inputs(case, device)
     dout = make_dout(case, device)
     poison_cuda_cache(case, device)
+    torch.manual_seed(case.seed)  # the call's dropout mask: rebuilt below from the same draw
     with cutlass_flash.force_arch(case.arch):
         out, lse = cutlass_flash.flash_attn_func(q, k, v, causal=case.causal, window_size=case.window,
                                                  softcap=case.softcap, alibi_slopes=case.alibi_slopes(device),
-                                                 return_lse=True)
+                                                 dropout_p=case.dropout, return_lse=True)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     ours = (out, lse, dq, dk, dv)
     # The reference takes the mask the call normalizes to (causal: right = 0; bounds past the
     # sequence: unbounded), which it applies literally.
     slopes = case.alibi_slopes(device)
-    ref = reference_outputs(q, k, v, dout, dtype=torch.float64, window=case.mask, softcap=case.softcap,
-                            alibi_slopes=slopes)
-    same = reference_outputs(q, k, v, dout, window=case.mask, softcap=case.softcap, alibi_slopes=slopes)
+    features = dict(window=case.mask, softcap=case.softcap, alibi_slopes=slopes)
+    if case.dropout:  # the mask the call drew (cutlass_flash.dropout), from the same generator state
+        torch.manual_seed(case.seed)
+        rng_state = cutlass_flash.dropout.new_rng_state(device)
+        features.update(dropout_p=case.dropout, keep=cutlass_flash.dropout.keep_mask(
+            rng_state, case.batch, case.nheads, case.seqlen_q, case.seqlen_k, case.dropout))
+    ref = reference_outputs(q, k, v, dout, dtype=torch.float64, **features)
+    same = reference_outputs(q, k, v, dout, **features)
     rows_per_key = case.seqlen_q * (case.nheads // case.nheads_kv)
     for name, o, s, r in zip(OUTPUT_NAMES, ours, same, ref):
         assert_within_tolerance(f"{case.id}: {name}", o, s, r,

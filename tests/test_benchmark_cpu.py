@@ -64,19 +64,20 @@ def test_markdown_has_one_section_per_dtype_and_mode():
 def test_ours_variant_columns_and_bad_impl(monkeypatch, capsys):
     calls = []
     monkeypatch.setattr(benchmark.cutlass_flash, "flash_attn_func",
-                        lambda q, k, v, causal, softcap, alibi_slopes, deterministic:
-                        calls.append((causal, softcap, alibi_slopes is not None, deterministic)))
-    args = benchmark.parse_args(["--impls", "ours,ours-det,ours-softcap,ours-alibi"])
+                        lambda q, k, v, dropout_p, causal, softcap, alibi_slopes, deterministic:
+                        calls.append((causal, softcap, alibi_slopes is not None, deterministic, dropout_p)))
+    args = benchmark.parse_args(["--impls", "ours,ours-det,ours-softcap,ours-alibi,ours-dropout"])
     impls = benchmark.implementations(args)
-    assert [label for label, _, _ in impls] == ["ours", "ours-det", "ours-softcap", "ours-alibi"]
+    assert [label for label, _, _ in impls] == ["ours", "ours-det", "ours-softcap", "ours-alibi", "ours-dropout"]
     q = torch.zeros(1, 2, 4, 8)
     for _, factory, _ in impls:
         factory(True)(q, q, q)
-    assert calls == [(True, 0.0, False, False), (True, 0.0, False, True), (True, benchmark.SOFTCAP, False, False),
-                     (True, 0.0, True, False)]
+    assert calls == [(True, 0.0, False, False, 0.0), (True, 0.0, False, True, 0.0),
+                     (True, benchmark.SOFTCAP, False, False, 0.0), (True, 0.0, True, False, 0.0),
+                     (True, 0.0, False, False, benchmark.DROPOUT)]
     with pytest.raises(SystemExit):
         benchmark.parse_args(["--impls", "ours,fa4"])
-    assert "--impls: expected some of ours, ours-det, ours-softcap, ours-alibi, sdpa-flash" in capsys.readouterr().err
+    assert "--impls: expected some of ours, ours-det, ours-softcap, ours-alibi, ours-dropout, sdpa-flash" in capsys.readouterr().err
 
 
 @pytest.fixture

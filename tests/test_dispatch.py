@@ -120,6 +120,11 @@ def test_problem_kwargs(fake_backend):
     flash_attn_func(q.half(), k.half(), v.half())
     kw = fake_backend.calls[0][2]
     assert (kw["window_left"], kw["window_right"], kw["dtype"]) == (-1, -1, "fp16")
+    # Dropout: its probability and a fresh 16-byte-aligned (seed, offset) per call.
+    fake_backend.calls.clear()
+    flash_attn_func(q, k, v, dropout_p=0.25)
+    kw = fake_backend.calls[0][2]
+    assert kw["dropout_p"] == 0.25 and kw["rng_state"] != 0 and kw["rng_state"] % 16 == 0
 
 
 # -- kernels missing from the build ---------------------------------------------------------------

@@ -24,6 +24,7 @@ _GRIDS = {
     "window_case": cases.window_cases,
     "softcap_case": cases.softcap_cases,
     "alibi_case": cases.alibi_cases,
+    "dropout_case": cases.dropout_cases,
 }
 
 
@@ -80,6 +81,12 @@ def test_softcap(softcap_case):
 def test_alibi(alibi_case):
     """ALiBi slopes per head or per (batch, head), with masks, a window, softcap, GQA."""
     check_case(alibi_case)
+
+
+def test_dropout(dropout_case):
+    """dropout_p: the kernels' mask is cutlass_flash.dropout.keep_mask's (the reference uses it), in
+    the forward and the backward; with masks, a window, softcap, ALiBi, GQA."""
+    check_case(dropout_case)
 
 
 def test_full_grid(full_case):

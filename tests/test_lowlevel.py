@@ -94,7 +94,7 @@ def test_none_buffers_are_allocated(fake_backend):
 
 
 @pytest.mark.parametrize("kwargs,exc,pattern", [
-    (dict(dropout_p=0.1), NotImplementedError, "dropout_p > 0"),
+    (dict(dropout_p=1.0), ValueError, r"dropout_p must be in \[0, 1\)"),
     (dict(softcap=-5.0), ValueError, "softcap must be a finite float >= 0"),
     (dict(return_softmax=True), NotImplementedError, "return_softmax"),
     (dict(window_size_left=-3), ValueError, "window_size left"),

@@ -166,7 +166,6 @@ BAD_ARGS = {
     "softcap-negative": (dict(softcap=-1.0), ValueError, r"softcap must be a finite float >= 0"),
     "softcap-nan": (dict(softcap=float("nan")), ValueError, r"softcap must be a finite float"),
     "alibi-list": (dict(alibi_slopes=[0.5] * 4), TypeError, r"alibi_slopes must be None or a"),
-    "dropout-not-yet": (dict(dropout_p=0.1), NotImplementedError, r"dropout_p > 0 is not supported"),
     "alibi-float64": (dict(alibi_slopes=torch.zeros(4, dtype=torch.float64)), TypeError,
                       r"alibi_slopes must be float32"),
     "alibi-shape": (dict(alibi_slopes=torch.zeros(3)), ValueError, r"alibi_slopes must have shape"),

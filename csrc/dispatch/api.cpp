@@ -210,6 +210,11 @@ Status check_problem(const AttnProblem& p, int arch, Direction dir) {
   if (reinterpret_cast<uintptr_t>(p.alibi_slopes) % alignof(float) != 0 || p.alibi_batch_stride < 0)
     return make(Status::kInvalidArgument,
                 prefix(dir) + "alibi_slopes must be a 4-byte aligned float32 array with a batch stride >= 0");
+  if (!(p.dropout_p >= 0.f && p.dropout_p < 1.f))
+    return make(Status::kInvalidArgument, prefix(dir) + "dropout_p must be in [0, 1)");
+  if (p.dropout_p > 0.f && (p.rng_state == nullptr || reinterpret_cast<uintptr_t>(p.rng_state) % 16 != 0))
+    return make(Status::kInvalidArgument,
+                prefix(dir) + "dropout_p > 0 needs rng_state: two int64 (seed, offset) in device memory, 16-byte aligned");
   const CatalogFamily* fam = find_family(arch);
   if (fam == nullptr)
     return make(Status::kInvalidArgument, prefix(dir) + "unknown kernel family arch = " +

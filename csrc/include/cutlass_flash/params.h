@@ -53,6 +53,12 @@ struct AttnProblem {
   // -slope * |i + seqlen_k - seqlen_q - j|. Null: off.
   const float* alibi_slopes = nullptr;
   int64_t alibi_batch_stride = 0;
+  // Dropout on P (kernels/common/dropout.h): each probability dropped with probability dropout_p,
+  // the kept ones scaled by 1 / (1 - dropout_p); the mask drawn from rng_state, two int64 (seed,
+  // offset) in device memory, 16-byte aligned (read by the kernels, so a CUDA graph replays with
+  // the values its capture's generator call writes there). dropout_p = 0: off, rng_state unused.
+  float dropout_p = 0.f;
+  const uint64_t* rng_state = nullptr;
   DType dtype = DType::kBFloat16;
   // Variable-length batches: batch + 1 int32 offsets each (both or neither), and the rows of the
   // packed tensors.

@@ -34,12 +34,18 @@ struct Alibi {
     // Softcap::softmax_scale inside the softmax; the bias is added before that, so the slope is
     // divided by it (FlashAttention-2 divides its slope by scale_softmax the same way).
     const float slope = p->alibi_slopes[batch * p->alibi_batch_stride + head] / Softcap::softmax_scale(*p);
-    const int shift = row_offset + mask.diag() - col_offset;  // distance = |row + shift - col|
+    // distance = |row + row_offset + diag - col - col_offset|. Each entry's (row - col) differs from
+    // the first entry's by a compile-time constant, so the distance is one float base plus a
+    // constant: an FADD per score instead of an integer-to-float conversion, which runs on the
+    // pipe the softmax's exponentials saturate.
+    const int row0 = cute::get<kTransposed ? 1 : 0>(coords(0));
+    const int col0 = cute::get<kTransposed ? 0 : 1>(coords(0));
+    const float base = float(row0 + row_offset + mask.diag() - col0 - col_offset);
     CUTE_UNROLL
     for (int i = 0; i < cute::size(scores); ++i) {
-      const int row = cute::get<kTransposed ? 1 : 0>(coords(i));
-      const int col = cute::get<kTransposed ? 0 : 1>(coords(i));
-      scores(i) -= slope * fabsf(float(row + shift - col));
+      const int row = cute::get<kTransposed ? 1 : 0>(coords(i)) - row0;
+      const int col = cute::get<kTransposed ? 0 : 1>(coords(i)) - col0;
+      scores(i) -= slope * fabsf(base + float(row - col));
     }
   }
 };

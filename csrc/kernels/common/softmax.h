@@ -91,15 +91,16 @@ struct OnlineSoftmax {
     if constexpr (!kFirst) rescale(acc_o, correction);
   }
 
-  // Normalises acc_o and returns the per-row log-sum-exp (natural log) in `lse`. Rows that saw
-  // no key (sum 0) get out = 0 and lse = +inf, as FlashAttention does.
+  // Normalises acc_o (times o_scale: dropout's 1 / (1 - p)) and returns the per-row log-sum-exp
+  // (natural log) in `lse`. Rows that saw no key (sum 0) get out = 0 and lse = +inf, as
+  // FlashAttention does.
   template <typename TensorO, typename TensorL>
-  __device__ __forceinline__ void finalize(TensorO& acc_o, TensorL& lse, float softmax_scale) {
+  __device__ __forceinline__ void finalize(TensorO& acc_o, TensorL& lse, float softmax_scale, float o_scale) {
     CUTE_UNROLL
     for (int mi = 0; mi < kNRows; ++mi) {
       const float sum = quad_allreduce(row_sum(mi), SumOp{});
       const bool empty = sum == 0.f || sum != sum;
-      const float inv = empty ? 1.f : 1.f / sum;
+      const float inv = empty ? 1.f : o_scale / sum;
       lse(mi) = empty ? INFINITY : row_max(mi) * softmax_scale + logf(sum);
       CUTE_UNROLL
       for (int di = 0; di < cute::size<1>(acc_o); ++di) acc_o(mi, di) *= inv;

@@ -1,4 +1,5 @@
-// sm80 backward epilogue: dK (scaled by the softmax scale) and dV from fp32 registers to 16-bit,
+// sm80 backward epilogue: dK (scaled by the softmax scale) and dV (by dropout's 1 / (1 - p)) from
+// fp32 registers to 16-bit,
 // through shared memory, to 16-byte global stores of the valid key rows.
 #pragma once
 
@@ -17,11 +18,14 @@ struct BwdEpilogue {
   static constexpr int kHeadDim = Traits::kHeadDim;
 
   template <typename TensorAcc, typename TensorG>
-  __device__ static void store(TensorAcc& acc_dk, const TensorAcc& acc_dv, TensorG& gdK, TensorG& gdV,
-                               float softmax_scale, char* smem, int rows_left) {
+  __device__ static void store(TensorAcc& acc_dk, TensorAcc& acc_dv, TensorG& gdK, TensorG& gdV,
+                               float softmax_scale, float dv_scale, char* smem, int rows_left) {
     const int tid = threadIdx.x;
     CUTE_UNROLL
-    for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= softmax_scale;
+    for (int i = 0; i < size(acc_dk); ++i) {
+      acc_dk(i) *= softmax_scale;
+      acc_dv(i) *= dv_scale;
+    }
     Tensor rdK = convert_type<Element>(acc_dk);
     Tensor rdV = convert_type<Element>(acc_dv);
 

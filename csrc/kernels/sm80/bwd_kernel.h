@@ -10,6 +10,7 @@
 
 #include "cutlass_flash/params.h"
 #include "kernels/common/block_info.h"
+#include "kernels/common/dropout.h"
 #include "kernels/common/mask.h"
 #include "kernels/common/tile_scheduler.h"
 #include "kernels/sm80/bwd_epilogue.h"
@@ -118,10 +119,11 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1) bwd_kernel(con
                               dq_row, n_block, ws.dq_groups};
     if (g > 0) __syncthreads();  // the last head's final reads of shared memory are done
     Mainloop::run(gQ, gdO, gK, gV, dq_accum, lse, dpsum, smem, mask, Softcap(p), Alibi(p, tile.batch, head),
-                  n_block, m_min, m_max,
+                  Dropout(p, tile.batch, head), n_block, m_min, m_max,
                   Softcap::softmax_scale(p) * float(M_LOG2E), acc_dk, acc_dv, dq_order);
   }
-  Epilogue::store(acc_dk, acc_dv, gdK, gdV, p.softmax_scale, smem, seq.seqlen_k - n_block * kBlockN);
+  Epilogue::store(acc_dk, acc_dv, gdK, gdV, p.softmax_scale, Dropout::keep_scale(p), smem,
+                  seq.seqlen_k - n_block * kBlockN);
 }
 
 }  // namespace cutlass_flash::sm80

@@ -13,6 +13,7 @@
 #include "kernels/common/dq_semaphore.h"
 #include "kernels/common/mask.h"
 #include "kernels/common/alibi.h"
+#include "kernels/common/dropout.h"
 #include "kernels/common/softcap.h"
 #include "kernels/sm80/utils.h"
 
@@ -97,7 +98,8 @@ struct BwdMainloop {
   template <typename TensorQ, typename TensorK, typename TensorAcc>
   __device__ static void run(const TensorQ& gQ, const TensorQ& gdO, const TensorK& gK, const TensorK& gV,
                              float* dq_accum, const float* lse, const float* dpsum, char* smem,
-                             const WindowMask& mask, const Softcap& softcap, const Alibi& alibi, int n_block,
+                             const WindowMask& mask, const Softcap& softcap, const Alibi& alibi,
+                             const Dropout& dropout, int n_block,
                              int m_min, int m_max,
                              float scale_log2, TensorAcc& acc_dk, TensorAcc& acc_dv, const BwdDqOrder& dq_order) {
     const int tid = threadIdx.x;
@@ -221,22 +223,42 @@ struct BwdMainloop {
         CUTE_UNROLL
         for (int ni = 0; ni < size<1>(p_rc); ++ni) p_rc(mi, ni) = exp2f(p_rc(mi, ni) * scale_log2 - lse_r[mi]);
       }
+      if (dropout.on()) {  // dropped probabilities negated until dS is computed (Dropout::Negate)
+        const auto c0 = s_coords(loop_tid())(0);
+        dropout.apply</*kTransposed=*/false, /*kPaired8=*/Traits::kWarpsNSdP == 1>(
+            p_rc, rowcol_view(make_coord_tensor(tScS.layout())), m * kBlockM + get<0>(c0), n_block * kBlockN + get<1>(c0),
+            Dropout::Negate{});
+      }
 
       Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
       clear(acc_dp);
       gemm_ss(acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, mma_sdp, copy_a_sdp, copy_b_sdp, thr_a_sdp, thr_b_sdp);
       Tensor ds_rc = rowcol_view(acc_dp);
-      CUTE_UNROLL
-      for (int mi = 0; mi < kRows; ++mi) {
+      if (dropout.on()) {  // dP is the GEMM's times mask / (1 - p): a dropped P has dS = (-P) D
+        const float keep_scale = Dropout::keep_scale(*dropout.p);
         CUTE_UNROLL
-        for (int ni = 0; ni < size<1>(ds_rc); ++ni) ds_rc(mi, ni) = p_rc(mi, ni) * (ds_rc(mi, ni) - dpsum_r[mi]);
+        for (int mi = 0; mi < kRows; ++mi) {
+          CUTE_UNROLL
+          for (int ni = 0; ni < size<1>(ds_rc); ++ni)
+            ds_rc(mi, ni) = p_rc(mi, ni) * (p_rc(mi, ni) >= 0.f ? ds_rc(mi, ni) * keep_scale - dpsum_r[mi] : dpsum_r[mi]);
+        }
+      } else {
+        CUTE_UNROLL
+        for (int mi = 0; mi < kRows; ++mi) {
+          CUTE_UNROLL
+          for (int ni = 0; ni < size<1>(ds_rc); ++ni) ds_rc(mi, ni) = p_rc(mi, ni) * (ds_rc(mi, ni) - dpsum_r[mi]);
+        }
       }
       if (softcap.on()) {  // the gradient of x = scale * s: through tanh's derivative
         CUTE_UNROLL
         for (int mi = 0; mi < kRows; ++mi) {
           CUTE_UNROLL
-          for (int ni = 0; ni < size<1>(ds_rc); ++ni) ds_rc(mi, ni) *= softcap.dtanh(p_rc(mi, ni), lse_r[mi]);
+          for (int ni = 0; ni < size<1>(ds_rc); ++ni) ds_rc(mi, ni) *= softcap.dtanh(fabsf(p_rc(mi, ni)), lse_r[mi]);
         }
+      }
+      if (dropout.on()) {  // P for the dV GEMM: the dropped ones zeroed
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_s); ++i) acc_s(i) = fmaxf(acc_s(i), 0.f);
       }
       const int t = loop_tid();  // everything below: offsets computed here, after the peak
       {

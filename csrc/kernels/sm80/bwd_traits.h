@@ -31,6 +31,8 @@ struct BwdTraits {
   static constexpr bool kLateOffsets = kLateOffsets_;  // tile_config.h: BwdTile::late_offsets
 
   using TiledMmaSdP = BwdTiledMma<Element, kNWarps, kAtomMSdP>;  // (kBlockM, kBlockN) tiles
+  // Warps along N of S: above 1, a thread's n8 column groups are 8 * kWarpsNSdP columns apart.
+  static constexpr int kWarpsNSdP = kNWarps / kAtomMSdP;
   using TiledMmadKV = BwdTiledMma<Element, kNWarps, kAtomNdKV>;  // (kBlockN, d) tiles
   using TiledMmadQ = BwdTiledMma<Element, kNWarps, kAtomMdQ>;    // (kBlockM, d) tiles
   // Each tiled MMA must tile its output exactly: a partial tile would make the fragments cover

@@ -10,6 +10,7 @@
 
 #include "kernels/common/mask.h"
 #include "kernels/common/alibi.h"
+#include "kernels/common/dropout.h"
 #include "kernels/common/softcap.h"
 #include "kernels/sm80/utils.h"
 
@@ -28,7 +29,7 @@ struct FwdMainloop {
   // gQ: (kBlockM, d); gK, gV: (kBlockN, d, num_n_blocks). Runs key blocks [n_min, n_max).
   template <typename TensorQ, typename TensorK, typename TensorV, typename TensorO, typename Softmax>
   __device__ static void run(const TensorQ& gQ, const TensorK& gK, const TensorV& gV, char* smem,
-                             const WindowMask& mask, const Softcap& softcap, const Alibi& alibi, int m_block, int n_min,
+                             const WindowMask& mask, const Softcap& softcap, const Alibi& alibi, const Dropout& dropout, int m_block, int n_min,
                              int n_max, TensorO& acc_o, Softmax& softmax) {
     const int tid = threadIdx.x;
     Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});
@@ -72,7 +73,13 @@ struct FwdMainloop {
     cp_async_fence();
 
     Tensor o_rc = rowcol_view(acc_o);
+    Tensor tScS_rc = rowcol_view(tScS);
     for (bool first = true; n >= n_min; --n, first = false) {
+      // Dropout's keep bits before S is live (Traits::kDropoutBitsFirst), or later on P in place.
+      uint64_t keep = 0;
+      if constexpr (Traits::kDropoutBitsFirst) {
+        if (dropout.on()) keep = dropout.keep_bits<false, true>(tScS_rc, m_block * kBlockM, n * kBlockN);
+      }
       Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
       clear(acc_s);
       cp_async_wait<0>();
@@ -99,6 +106,15 @@ struct FwdMainloop {
         softmax.template update</*kFirst=*/true>(scores, o_rc);
       } else {
         softmax.template update</*kFirst=*/false>(scores, o_rc);
+      }
+      // After the row sums, which are those of the undropped P.
+      if (dropout.on()) {
+        if constexpr (Traits::kDropoutBitsFirst) {
+          Dropout::apply_bits(scores, keep, Dropout::Zero{});
+        } else {
+          dropout.apply</*kTransposed=*/false, /*kPaired8=*/true>(scores, tScS_rc, m_block * kBlockM, n * kBlockN,
+                                                                   Dropout::Zero{});
+        }
       }
       Tensor rP = convert_type<Element>(acc_s);
       Tensor tOrP = make_tensor(rP.data(), acc_as_a_layout(rP.layout()));

@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
     if (steps.count() > 0) Mainloop::mma(params, shared, pipeline_q, pipeline_do, steps, mask, n_block, tid, acc_dk, acc_dv);
     const SeqInfo seq(p, tile.batch);
     Epilogue::store(p, params.dk, acc_dk, p.softmax_scale, seq, head_kv, n_block, tid);
-    Epilogue::store(p, params.dv, acc_dv, 1.f, seq, head_kv, n_block, tid);
+    Epilogue::store(p, params.dv, acc_dv, Dropout::keep_scale(p), seq, head_kv, n_block, tid);
   }
 }
 

@@ -19,6 +19,7 @@
 #include "kernels/common/dq_semaphore.h"
 #include "kernels/common/mask.h"
 #include "kernels/common/alibi.h"
+#include "kernels/common/dropout.h"
 #include "kernels/common/softcap.h"
 #include "kernels/sm90/bwd_traits.h"
 #include "kernels/sm90/utils.h"
@@ -170,14 +171,18 @@ struct BwdMainloop {
   // The first half of a consumer step, shared by both layouts: S^T = K Q^T and dP^T = V dO^T
   // issued together (after their stage's loads), then in their accumulators P^T = exp2(S^T *
   // scale_log2 - LSE) under the mask, while dP^T is computed, and dS^T = P^T (dP^T - D).
-  // stats_offset: this warpgroup's first query in the step's LSE and D (kStatQueries of them).
+  // Under dropout, dP^T is the GEMM's times mask / (1 - p), and P^T leaves with the dropped
+  // probabilities zeroed (for the dV GEMM). stats_offset: this warpgroup's first query in the step's LSE and D (kStatQueries of them).
   template <int kStatQueries, typename TiledMma, typename FragA, typename FragB, typename Acc, typename Coords>
   __device__ static void scores(TiledMma& mma_sdp, const FragA& tSrK, const FragB& tSrQ, const FragA& tdPrV,
                                 const FragB& tdPrdO, Pipeline& pipeline_q, const PipelineState& st_q,
                                 Pipeline& pipeline_do, const PipelineState& st_do, typename Traits::SharedStorage& shared,
                                 int stats_offset, const WindowMask& mask, const Softcap& softcap, const Alibi& alibi,
-                                const Coords& tScS,
+                                const Dropout& dropout, const Coords& tScS,
                                 int m, int n_block, float scale_log2, Acc& acc_s, Acc& acc_dp) {
+    // Dropout's keep bits before the accumulators are live (Dropout::keep_bits).
+    uint64_t keep = 0;
+    if (dropout.on()) keep = dropout.keep_bits</*kTransposed=*/true, false>(colrow_view(tScS), m * kBlockM, n_block * kBlockN);
     pipeline_q.consumer_wait(st_q);
     gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_sdp, tSrK, tSrQ(_, _, _, st_q.index()), acc_s);
     pipeline_do.consumer_wait(st_do);
@@ -196,15 +201,28 @@ struct BwdMainloop {
       CUTE_UNROLL
       for (int ki = 0; ki < size<1>(s); ++ki) s(qi, ki) = exp2f(s(qi, ki) * scale_log2 - lse_q);
     }
+    if (dropout.on()) Dropout::apply_bits(s, keep, Dropout::Negate{});
     warpgroup_wait<0>();  // dP^T done
     warpgroup_fence_operand(acc_dp);
     Tensor ds = colrow_view(acc_dp);
     const QueryStats<kStatQueries> dpsum(shared.dpsum.data() + st_do.index() * kBlockM + stats_offset);
-    CUTE_UNROLL
-    for (int qi = 0; qi < size<0>(ds); ++qi) {
-      const float d_q = dpsum(qi);
+    if (dropout.on()) {
+      // A dropped P (negated) has dP = 0: dS = P (0 - D) = (-P) D.
+      const float keep_scale = Dropout::keep_scale(*dropout.p);
       CUTE_UNROLL
-      for (int ki = 0; ki < size<1>(ds); ++ki) ds(qi, ki) = s(qi, ki) * (ds(qi, ki) - d_q);
+      for (int qi = 0; qi < size<0>(ds); ++qi) {
+        const float d_q = dpsum(qi);
+        CUTE_UNROLL
+        for (int ki = 0; ki < size<1>(ds); ++ki)
+          ds(qi, ki) = s(qi, ki) * (s(qi, ki) >= 0.f ? ds(qi, ki) * keep_scale - d_q : d_q);
+      }
+    } else {
+      CUTE_UNROLL
+      for (int qi = 0; qi < size<0>(ds); ++qi) {
+        const float d_q = dpsum(qi);
+        CUTE_UNROLL
+        for (int ki = 0; ki < size<1>(ds); ++ki) ds(qi, ki) = s(qi, ki) * (ds(qi, ki) - d_q);
+      }
     }
     if (softcap.on()) {  // the gradient of x = scale * s: through tanh's derivative
       // LSE loaded again from shared memory (still this stage's: Q's stage is released after the
@@ -215,8 +233,12 @@ struct BwdMainloop {
       for (int qi = 0; qi < size<0>(ds); ++qi) {
         const float lse_q = lse_again(qi);
         CUTE_UNROLL
-        for (int ki = 0; ki < size<1>(ds); ++ki) ds(qi, ki) *= softcap.dtanh(s(qi, ki), lse_q);
+        for (int ki = 0; ki < size<1>(ds); ++ki) ds(qi, ki) *= softcap.dtanh(fabsf(s(qi, ki)), lse_q);
       }
+    }
+    if (dropout.on()) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); ++i) acc_s(i) = fmaxf(acc_s(i), 0.f);
     }
   }
 
@@ -265,13 +287,14 @@ struct BwdMainloop {
 #pragma unroll 1
     for (int h = steps.head_begin; h < steps.head_begin + steps.heads; ++h) {
       const Alibi alibi(params.problem, steps.batch, h);
+      const Dropout dropout(params.problem, steps.batch, h);
 #pragma unroll 1
       for (int m = steps.m_max - 1; m >= steps.m_min; --m, ++i) {
         const int buf = i % Traits::kdSBuffers;
         Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
         Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
         scores<kBlockM>(mma_sdp, tSrK, tSrQ, tdPrV, tdPrdO, pipeline_q, st_q, pipeline_do, st_do, shared, 0, mask,
-                        softcap, alibi, tScS, m, n_block, scale_log2, acc_s, acc_dp);
+                        softcap, alibi, dropout, tScS, m, n_block, scale_log2, acc_s, acc_dp);
         Tensor rP = convert_type<Element>(acc_s);
         Tensor rdS = convert_type<Element>(acc_dp);
         copy(r2s_ds, thr_r2s_ds.retile_S(rdS), tdSsdS(_, _, _, buf));

@@ -83,15 +83,15 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_> {
       const int64_t dq_row = SeqInfo(params.problem, steps.batch).workspace_row(params.problem, params.rows_per_head, h) +
                              (n_block % params.dq_groups) * params.dq_group_rows;
       const Alibi alibi(params.problem, steps.batch, h);
+      const Dropout dropout(params.problem, steps.batch, h);
 #pragma unroll 1
       for (int m = steps.m_max - 1; m >= steps.m_min; --m, ++i) {
         const int buf = i % Traits::kdSBuffers;
         Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
         Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
         Base::template scores<kQueriesPerWarpgroup>(mma_sdp, tSrK, tSrQ, tdPrV, tdPrdO, pipeline_q, st_q, pipeline_do,
-                                                    st_do, shared, query_offset, mask, softcap, alibi, tScS, m, n_block,
-                                                    scale_log2,
-                                                    acc_s, acc_dp);
+                                                    st_do, shared, query_offset, mask, softcap, alibi, dropout, tScS, m,
+                                                    n_block, scale_log2, acc_s, acc_dp);
         Tensor rP = convert_type<Element>(acc_s);
         Tensor rdS = convert_type<Element>(acc_dp);
         copy(r2s, thr_r2s.retile_S(rP), tPsP(_, _, _, buf));

@@ -12,6 +12,7 @@
 
 #include "cutlass_flash/params.h"
 #include "kernels/common/mask.h"
+#include "kernels/common/dropout.h"
 #include "kernels/common/softcap.h"
 #include "kernels/common/softmax.h"
 #include "kernels/common/tile_scheduler.h"
@@ -109,10 +110,9 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
       Tensor acc_o_rc = rowcol_view(acc_o);
       OnlineSoftmax<decltype(size<0>(acc_o_rc))::value> softmax(Softcap::softmax_scale(p) * float(M_LOG2E));
       Mainloop::mma(shared, pipeline_k, pipeline_v, state, ping_pong, mask, Softcap(p), Alibi(p, tile.batch, tile.head),
-                    tile.block, n_min, n_max, wg, tid,
-                    acc_o, softmax);
+                    Dropout(p, tile.batch, tile.head), tile.block, n_min, n_max, wg, tid, acc_o, softmax);
       Tensor lse = make_tensor<float>(Shape<Int<decltype(size<0>(acc_o_rc))::value>>{});
-      softmax.finalize(acc_o_rc, lse, Softcap::softmax_scale(p));
+      softmax.finalize(acc_o_rc, lse, Softcap::softmax_scale(p), Dropout::keep_scale(p));
       Epilogue::store(params, shared, tile, acc_o, lse, wg, tid);
     }
     Epilogue::finish(tid);

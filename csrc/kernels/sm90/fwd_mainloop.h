@@ -15,6 +15,7 @@
 
 #include "kernels/common/mask.h"
 #include "kernels/common/alibi.h"
+#include "kernels/common/dropout.h"
 #include "kernels/common/softcap.h"
 #include "kernels/common/softmax.h"
 #include "kernels/sm90/fwd_traits.h"
@@ -46,7 +47,9 @@ struct WarpScheduler {
   }
 };
 
-template <typename Traits_>
+// kDropout: whether the kernel has dropout's path (taken when the call's dropout_p > 0); see
+// Traits::kDropoutKernel.
+template <typename Traits_, bool kDropout = true>
 struct FwdMainloop {
   using Traits = Traits_;
   using Element = typename Traits::Element;
@@ -171,7 +174,7 @@ struct FwdMainloop {
                                              PipelineKV& pipeline_v, ConsumerState& st,
                                              const WarpScheduler<Traits::kNMmaWarpGroups>& scheduler,
                                              const WindowMask& mask, const Softcap& softcap, const Alibi& alibi,
-                                             int m_block,
+                                             const Dropout& dropout, int m_block,
                                              int n_min, int n_max, int wg, int tid, AccO& acc_o,
                                              Softmax& softmax) {
     typename Traits::TiledMmaQK mma_qk;
@@ -202,6 +205,26 @@ struct FwdMainloop {
       if (alibi.on()) alibi.apply(tSrS, tScS, mask, row_offset, n_block * kBlockN);
       if (masked) mask.apply(tSrS, tScS, row_offset, n_block * kBlockN);
     };
+    // Dropout after max_and_exp, whose row sums are those of the undropped P: on the fp32 P while
+    // the previous P V GEMM runs, or on the 16-bit P after it (Traits::kDropoutOnP16).
+    const bool dropout_on = kDropout && dropout.on();
+    auto drop = [&](auto&& p_rc, int n_block) {
+      if (dropout_on)
+        dropout.apply</*kTransposed=*/false, /*kPaired8=*/true>(p_rc, rowcol_view(tScS), row_offset, n_block * kBlockN,
+                                                                 Dropout::Zero{});
+    };
+    auto drop_fp32 = [&](auto& s_rc, int n_block) {
+      if constexpr (!Traits::kDropoutOnP16) drop(s_rc, n_block);
+    };
+    auto drop_p16 = [&](int n_block) {
+      if constexpr (Traits::kDropoutOnP16) {
+        if (dropout_on) {
+          const uint64_t keep = dropout.keep_bits<false, true, /*kUnroll=*/1>(rowcol_view(tScS), row_offset,
+                                                                             n_block * kBlockN);
+          Dropout::apply_bits(rowcol_view(rP), keep, Dropout::Zero{});
+        }
+      }
+    };
 
     // Key blocks of the tile above this warpgroup's last row (a 192-row tile spans 1.5 key blocks
     // of the diagonal at d = 64; 128 rows span 1.6 at d = 256) are not multiplied: their K and V
@@ -223,7 +246,9 @@ struct FwdMainloop {
       scores(tSrS, n_block, needs_mask(n_block));
       Tensor s_rc = rowcol_view(tSrS);
       softmax.template max_and_exp</*kFirst=*/true>(s_rc);
+      drop_fp32(s_rc, n_block);
       to_p(tSrS);
+      drop_p16(n_block);
     }
     for (int n = n_max - 1; n >= n_top; --n) pass_stage(pipeline_v, st.v);
     auto correction = make_tensor<float>(Shape<Int<Softmax::kRows>>{});
@@ -244,11 +269,13 @@ struct FwdMainloop {
       scores(tSrS, n_block, needs_mask(n_block));
       Tensor s_rc = rowcol_view(tSrS);
       correction = softmax.template max_and_exp</*kFirst=*/false>(s_rc);
+      drop_fp32(s_rc, n_block);
       // P V ran behind the exponentials; it must be done before its P registers are rewritten.
       warpgroup_wait_all_after(softmax.row_sum(0) + softmax.row_sum(Softmax::kRows - 1));
       pipeline_v.consumer_release(st.v);
       ++st.v;
       to_p(tSrS);
+      drop_p16(n_block);
     }
     // Q has no reader left in this tile.
     if constexpr (!Traits::kOAliasesQ) shared.q_empty.arrive();

@@ -1,0 +1,81 @@
+"""Dropout's keep mask, as the kernels draw it (csrc/kernels/common/dropout.h), in torch.
+
+The mask is a pure function of (sequence b, query head h, query row i, key column j) and the
+call's rng_state (two int64: seed, offset), so it can be rebuilt outside the kernels: the tests
+compare the kernels against attention with this mask, and users can inspect what a call dropped.
+
+    rng_state = cutlass_flash.dropout.new_rng_state(q.device)     # what flash_attn_func draws
+    keep = cutlass_flash.dropout.keep_mask(rng_state, batch, nheads, seqlen_q, seqlen_k, 0.1)
+
+With i = 16 I + 8 a + r and j = 16 J + 8 c + 2 t + g (a, c, g in {0, 1}, r < 8, t < 4):
+Philox4x32-10 of counter (J, I, 32 h + 4 r + t, b + offset) under key seed gives 4 words;
+score (i, j) takes the 16 bits of word 2 g + a (low half for c = 0, high for c = 1) and is
+kept when they are below round((1 - dropout_p) * 65536) (float32 arithmetic, as the kernels).
+"""
+
+import numpy as np
+import torch
+
+__all__ = ["new_rng_state", "keep_threshold", "keep_mask", "philox4x32"]
+
+_M0, _M1 = 0xD2511F53, 0xCD9E8D57  # Philox4x32's multipliers
+_W0, _W1 = 0x9E3779B9, 0xBB67AE85  # its key increments (Weyl sequence)
+_U32 = 0xFFFFFFFF
+ROUNDS = 10
+
+
+def new_rng_state(device):
+    """(seed, offset) for one call, int64 on `device`, drawn from torch's generator for that
+    device: reproducible under torch.manual_seed, and inside a CUDA graph each replay draws anew
+    (the kernels read the values from device memory)."""
+    return torch.empty(2, dtype=torch.int64, device=device).random_()
+
+
+def keep_threshold(dropout_p):
+    """The 16-bit threshold below which a score is kept, computed as the kernels do (float32)."""
+    keep = np.float32(1.0) - np.float32(dropout_p)
+    return int(keep * np.float32(65536.0) + np.float32(0.5))
+
+
+def _mulhilo(a, m):
+    """(hi, lo) 32-bit halves of a * m for int64 tensors of 32-bit values, without int64 overflow."""
+    p_lo = (a & 0xFFFF) * m  # < 2^48
+    p_hi = (a >> 16) * m
+    t = p_lo + ((p_hi & 0xFFFF) << 16)
+    return ((p_hi >> 16) + (t >> 32)) & _U32, t & _U32
+
+
+def philox4x32(c0, c1, c2, c3, k0, k1, rounds=ROUNDS):
+    """Philox4x32 (Random123) on int64 tensors (or ints) holding 32-bit counters; key (k0, k1) ints."""
+    for i in range(rounds):
+        if i:
+            k0, k1 = (k0 + _W0) & _U32, (k1 + _W1) & _U32
+        hi0, lo0 = _mulhilo(c0, _M0)
+        hi1, lo1 = _mulhilo(c2, _M1)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return c0, c1, c2, c3
+
+
+def keep_mask(rng_state, batch, nheads, seqlen_q, seqlen_k, dropout_p):
+    """bool (batch, nheads, seqlen_q, seqlen_k) on rng_state's device: True where the kernels
+    keep P. For a packed batch, sequence b's mask is [b, :, :len_q(b), :len_k(b)] of the mask
+    of (batch, nheads, max_seqlen_q, max_seqlen_k)."""
+    seed, offset = (int(x) for x in rng_state.tolist())
+    k0, k1 = seed & _U32, (seed >> 32) & _U32
+    dev = rng_state.device
+
+    def axis(n, dim):
+        shape = [1] * 6
+        shape[dim] = n
+        return torch.arange(n, dtype=torch.int64, device=dev).view(shape)
+
+    n_i, n_j = -(-seqlen_q // 16), -(-seqlen_k // 16)
+    b, h, I, J, r, t = axis(batch, 0), axis(nheads, 1), axis(n_i, 2), axis(n_j, 3), axis(8, 4), axis(4, 5)
+    shape = (batch, nheads, n_i, n_j, 8, 4)
+    words = philox4x32(J.expand(shape), I.expand(shape), ((h << 5) | (r << 2) | t).expand(shape),
+                       ((b + offset) & _U32).expand(shape), k0, k1)
+    w = torch.stack(words, -1).view(*shape, 2, 2)  # (..., g, a): word 2 g + a
+    halves = torch.stack((w & 0xFFFF, w >> 16), -1)  # (B, H, I, J, r, t, g, a, c)
+    # i = 16 I + 8 a + r, j = 16 J + 8 c + 2 t + g
+    u = halves.permute(0, 1, 2, 7, 4, 3, 8, 5, 6).reshape(batch, nheads, n_i * 16, n_j * 16)
+    return (u < keep_threshold(dropout_p))[:, :, :seqlen_q, :seqlen_k]
