@@ -77,11 +77,23 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
     } else if (threadIdx.x == 32) {  // tile thread
       const PersistentTileScheduler order = Scheduler::order(params.scheduler, p);
       for (int i = 0, t = Scheduler::first();; ++i, t = Scheduler::next(params.scheduler)) {
-        const bool valid = t < order.num_tiles;
+        bool valid = t < order.num_tiles;
         TileWork w{{-1, 0, 0}, 0, 0};
         if (valid) {
           w.coord = order.coord(t);
           tile_mask(w.coord, w.n_min, w.n_max);
+        }
+        // Variable-length batches: the grid has max_seqlen_q's query tiles for every sequence, so
+        // a short sequence's later tiles hold no rows. Claim the next tile instead of handing such
+        // one to the K/V thread and the consumers (a round trip through q_full / q_empty each).
+        while (valid && p.is_varlen() && w.coord.block * kBlockM >= SeqInfo(p, w.coord.batch).seqlen_q) {
+          t = Scheduler::next(params.scheduler);
+          valid = t < order.num_tiles;
+          w = TileWork{{-1, 0, 0}, 0, 0};
+          if (valid) {
+            w.coord = order.coord(t);
+            tile_mask(w.coord, w.n_min, w.n_max);
+          }
         }
         Scheduler::hand_over(shared.scheduler, i, w);
         Mainloop::publish(params, shared, i, t, w.coord, valid && w.n_min < w.n_max);
