@@ -334,3 +334,15 @@ def test_eager_path_matches_the_op(fake_backend):
     with torch.no_grad():
         out_ng = flash_attn_func(q, k, v, causal=True)
     assert out_ng.grad_fn is None and torch.equal(out_ng, out)
+
+
+def test_alibi_without_grad_matches_with_grad(fake_backend):
+    """The eager no-grad path passes the feature arguments by name: it once handed alibi_slopes to
+    _fwd_impl's positional varlen slot (found while adding dropout)."""
+    case = Case(2, 17, 33, 4, 4, 64, "bf16", False, 0, alibi=1)
+    q, k, v = make_inputs(case, "cpu")
+    slopes = case.alibi_slopes("cpu")
+    with torch.no_grad():
+        out_no_grad = flash_attn_func(q, k, v, alibi_slopes=slopes)
+    out = flash_attn_func(q, k, v, alibi_slopes=slopes)
+    assert torch.equal(out_no_grad, out.detach())
