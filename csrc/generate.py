@@ -279,6 +279,31 @@ CUTLASS_FLASH_HOST_DEVICE inline BwdWorkspace bwd_workspace_layout(const AttnPro
 
 BWD_WORKSPACE_HEADER = "bwd_workspace.h"
 
+
+# --------------------------------------------------------------------------------------------
+# Dropout's mask function (csrc/kernels/common/dropout.h draws it, cutlass_flash/dropout.py is
+# its torch twin): both read these from here (csrc/generated/dropout_mask.h, _catalog.py).
+# --------------------------------------------------------------------------------------------
+
+# Philox4x32 rounds. Random123 (Salmon et al., SC'11) reports 7 the fewest that pass TestU01's
+# BigCrush and ships 10 as a safety margin; a dropout mask needs no more than BigCrush's
+# standard, and at 10 the generator was most of dropout's cost (PERFLOG.md entry 40).
+DROPOUT_PHILOX_ROUNDS = 7
+DROPOUT_HEADER = "dropout_mask.h"
+
+
+def dropout_header() -> str:
+    return f"""{MARKER}
+// Constants of dropout's mask function (csrc/generate.py's DROPOUT_*, also in cutlass_flash/_catalog.py).
+#pragma once
+
+namespace cutlass_flash {{
+
+constexpr int kPhiloxRounds = {DROPOUT_PHILOX_ROUNDS};
+
+}}  // namespace cutlass_flash
+"""
+
 # The Python package's copy of the catalogue (families, directions, head dims, dtypes), written
 # here so that cutlass_flash/_dispatch.py and the tests read the generator's table, not a list of
 # their own (tests/test_generator.py checks it is current).
@@ -310,6 +335,9 @@ FWD_WORKSPACE_ALIGN = {FWD_WORKSPACE_ALIGN}
 
 #: family arch -> directions whose kernels take variable-length batches (cu_seqlens).
 VARLEN = {{{', '.join(f"{f.arch}: {f.varlen!r}" for f in FAMILIES)}}}
+
+#: Dropout's mask function: Philox4x32 rounds.
+DROPOUT_PHILOX_ROUNDS = {DROPOUT_PHILOX_ROUNDS}
 """
 
 
@@ -599,8 +627,9 @@ def write_generated(out_dir: Path = GENERATED_DIR,
         p = out_dir / inst.filename
         if write_if_changed(p, translation_unit(inst)):
             changed.append(p)
-    if write_if_changed(out_dir / BWD_WORKSPACE_HEADER, bwd_workspace_header()):
-        changed.append(out_dir / BWD_WORKSPACE_HEADER)
+    for name, text in ((BWD_WORKSPACE_HEADER, bwd_workspace_header()), (DROPOUT_HEADER, dropout_header())):
+        if write_if_changed(out_dir / name, text):
+            changed.append(out_dir / name)
     if out_dir == GENERATED_DIR and write_if_changed(PY_CATALOG, python_catalog()):
         changed.append(PY_CATALOG)
     if prune:

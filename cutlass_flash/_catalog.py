@@ -21,3 +21,6 @@ FWD_WORKSPACE_ALIGN = 16
 
 #: family arch -> directions whose kernels take variable-length batches (cu_seqlens).
 VARLEN = {80: ('fwd', 'bwd'), 90: ('fwd', 'bwd')}
+
+#: Dropout's mask function: Philox4x32 rounds.
+DROPOUT_PHILOX_ROUNDS = 7

@@ -7,21 +7,24 @@ compare the kernels against attention with this mask, and users can inspect what
     rng_state = cutlass_flash.dropout.new_rng_state(q.device)     # what flash_attn_func draws
     keep = cutlass_flash.dropout.keep_mask(rng_state, batch, nheads, seqlen_q, seqlen_k, 0.1)
 
-With i = 16 I + 8 a + r and j = 16 J + 8 c + 2 t + g (a, c, g in {0, 1}, r < 8, t < 4):
-Philox4x32-10 of counter (J, I, 32 h + 4 r + t, b + offset) under key seed gives 4 words;
-score (i, j) takes the 16 bits of word 2 g + a (low half for c = 0, high for c = 1) and is
-kept when they are below round((1 - dropout_p) * 65536) (float32 arithmetic, as the kernels).
+With i = 16 I + 8 a + r and j = 32 J + 16 e + 8 c + 2 t + g (a, c, e, g in {0, 1}, r < 8,
+t < 4): Philox4x32 (ROUNDS rounds) of counter (J, I, 32 h + 4 r + t, b + offset) under key seed
+gives 4 words; score (i, j) takes byte 2 e + c of word 2 g + a and is kept when it is below
+round((1 - dropout_p) * 256) (float32 arithmetic, as the kernels); the kept scores are scaled by
+256 / that threshold (keep_scale).
 """
 
 import numpy as np
 import torch
 
-__all__ = ["new_rng_state", "keep_threshold", "keep_mask", "philox4x32"]
+from ._catalog import DROPOUT_PHILOX_ROUNDS
+
+__all__ = ["new_rng_state", "keep_threshold", "keep_scale", "keep_mask", "philox4x32"]
 
 _M0, _M1 = 0xD2511F53, 0xCD9E8D57  # Philox4x32's multipliers
 _W0, _W1 = 0x9E3779B9, 0xBB67AE85  # its key increments (Weyl sequence)
 _U32 = 0xFFFFFFFF
-ROUNDS = 10
+ROUNDS = DROPOUT_PHILOX_ROUNDS  # csrc/generate.py's, as the kernels' kPhiloxRounds
 
 
 def new_rng_state(device):
@@ -32,9 +35,18 @@ def new_rng_state(device):
 
 
 def keep_threshold(dropout_p):
-    """The 16-bit threshold below which a score is kept, computed as the kernels do (float32)."""
+    """The byte value below which a score is kept, computed as the kernels do (float32)."""
     keep = np.float32(1.0) - np.float32(dropout_p)
-    return int(keep * np.float32(65536.0) + np.float32(0.5))
+    return int(keep * np.float32(256.0) + np.float32(0.5))
+
+
+def keep_scale(dropout_p):
+    """What the kernels multiply kept probabilities by: 1 / the keep rate drawn (256 / threshold),
+    0 when nothing is kept; 1 without dropout."""
+    if dropout_p == 0:
+        return 1.0
+    threshold = keep_threshold(dropout_p)
+    return 256.0 / threshold if threshold else 0.0
 
 
 def _mulhilo(a, m):
@@ -69,13 +81,13 @@ def keep_mask(rng_state, batch, nheads, seqlen_q, seqlen_k, dropout_p):
         shape[dim] = n
         return torch.arange(n, dtype=torch.int64, device=dev).view(shape)
 
-    n_i, n_j = -(-seqlen_q // 16), -(-seqlen_k // 16)
+    n_i, n_j = -(-seqlen_q // 16), -(-seqlen_k // 32)
     b, h, I, J, r, t = axis(batch, 0), axis(nheads, 1), axis(n_i, 2), axis(n_j, 3), axis(8, 4), axis(4, 5)
     shape = (batch, nheads, n_i, n_j, 8, 4)
     words = philox4x32(J.expand(shape), I.expand(shape), ((h << 5) | (r << 2) | t).expand(shape),
                        ((b + offset) & _U32).expand(shape), k0, k1)
     w = torch.stack(words, -1).view(*shape, 2, 2)  # (..., g, a): word 2 g + a
-    halves = torch.stack((w & 0xFFFF, w >> 16), -1)  # (B, H, I, J, r, t, g, a, c)
-    # i = 16 I + 8 a + r, j = 16 J + 8 c + 2 t + g
-    u = halves.permute(0, 1, 2, 7, 4, 3, 8, 5, 6).reshape(batch, nheads, n_i * 16, n_j * 16)
+    u = torch.stack([(w >> (8 * n)) & 0xFF for n in range(4)], -1).view(*shape, 2, 2, 2, 2)
+    # u: (B, H, I, J, r, t, g, a, e, c), byte 2 e + c; i = 16 I + 8 a + r, j = 32 J + 16 e + 8 c + 2 t + g
+    u = u.permute(0, 1, 2, 7, 4, 3, 8, 9, 5, 6).reshape(batch, nheads, n_i * 16, n_j * 32)
     return (u < keep_threshold(dropout_p))[:, :, :seqlen_q, :seqlen_k]

@@ -9,6 +9,8 @@ import math
 
 import torch
 
+from cutlass_flash.dropout import keep_scale
+
 
 def window_mask(seqlen_q, seqlen_k, window_left, window_right, device):
     """Bool (seqlen_q, seqlen_k): True where query i may attend key j (bottom-right aligned)."""
@@ -48,7 +50,8 @@ def alibi_bias(slopes, batch, nheads, seqlen_q, seqlen_k, device, dtype):
 def attention_ref(q, k, v, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None,
                   dropout_p=0.0, keep=None):
     """Returns (out, lse) computed in q's dtype. keep: bool (batch, nheads, seqlen_q, seqlen_k),
-    dropout's mask (cutlass_flash.dropout.keep_mask): P is multiplied by keep / (1 - dropout_p)
+    dropout's mask (cutlass_flash.dropout.keep_mask): P is multiplied by keep times the scale the
+    kernels apply (keep_scale: 1 / the keep rate, 1 / (1 - dropout_p) to 1/256)
     (lse is that of the undropped scores).
 
     q: (batch, seqlen_q, nheads, d); k, v: (batch, seqlen_k, nheads_kv, d). out: like q.
@@ -78,7 +81,7 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, window=(-1, -1), so
         attn = attn.masked_fill(empty_rows.view(-1, 1), 0.0)
         lse = lse.masked_fill(empty_rows, float("inf"))
     if keep is not None:
-        attn = attn * keep.to(attn.dtype) / (1.0 - dropout_p)
+        attn = attn * keep.to(attn.dtype) * keep_scale(dropout_p)
     out = torch.einsum("bhts,bshd->bthd", attn, v)
     return out, lse
 

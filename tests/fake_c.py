@@ -12,7 +12,7 @@ import ctypes
 import torch
 
 from attn_ref import alibi_bias, attention_ref, window_mask
-from cutlass_flash.dropout import keep_mask
+from cutlass_flash.dropout import keep_mask, keep_scale
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -188,8 +188,9 @@ class FakeC:
             scores = scores.masked_fill(~allowed, float("-inf"))
         probs = torch.exp(scores - lse.double().unsqueeze(-1))
         probs = probs.nan_to_num(nan=0.0)  # -inf - (+inf) rows: no key
-        # Dropout: O = (P * keep / (1 - p)) V, so dV takes the dropped P and dP is masked alike.
-        drop = 1.0 if keep is None else keep.double() / (1.0 - p["dropout_p"])
+        # Dropout: O = (P * keep * scale) V (scale: 1 / the keep rate), so dV takes the dropped P
+        # and dP is masked alike.
+        drop = 1.0 if keep is None else keep.double() * keep_scale(p["dropout_p"])
         gv = torch.einsum("bhts,bthd->bshd", probs * drop, do64)
         dp = torch.einsum("bthd,bshd->bhts", do64, v64) * drop
         d_row = (do64 * O.double()).sum(-1).transpose(1, 2).unsqueeze(-1)  # (b, h, t, 1)

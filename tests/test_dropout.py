@@ -15,7 +15,8 @@ from cutlass_flash.lowlevel import _flash_attn_backward, _flash_attn_forward
 from attn_ref import assert_within_tolerance, reference_outputs
 from cases import Case, make_dout, make_inputs
 
-# Random123's known-answer vectors for Philox4x32-10: (counter, key) -> output.
+# Random123's known-answer vectors for Philox4x32-10 (the masks use dropout.ROUNDS, the same
+# round function): (counter, key) -> output.
 KAT = [
     ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
     ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
@@ -26,7 +27,7 @@ KAT = [
 
 @pytest.mark.parametrize("counter,key,expected", KAT, ids=["zeros", "ones", "pi"])
 def test_philox_known_answers(counter, key, expected):
-    out = dropout.philox4x32(*(torch.tensor([c], dtype=torch.int64) for c in counter), *key)
+    out = dropout.philox4x32(*(torch.tensor([c], dtype=torch.int64) for c in counter), *key, rounds=10)
     assert tuple(int(w) for w in out) == expected
 
 
@@ -36,15 +37,17 @@ def _state(seed, offset=0):
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
 def test_keep_rate(p):
-    """The keep rate is 1 - p within 5 standard deviations of a Bernoulli count, per head and
-    overall, and the threshold is p's to 1/65536."""
+    """The keep rate is the threshold's (1 - p to 1/256) within 5 standard deviations of a
+    Bernoulli count, per head, and the kept scores' scale is its inverse."""
     keep = dropout.keep_mask(_state(1234, 99), 2, 3, 200, 300, p)
+    rate = dropout.keep_threshold(p) / 256
+    assert abs(rate - (1 - p)) <= 0.5 / 256
+    assert dropout.keep_scale(p) == pytest.approx(1 / rate)
     n = keep[0, 0].numel()
-    sd = math.sqrt(n * p * (1 - p))
+    sd = math.sqrt(n * rate * (1 - rate))
     for b in range(2):
         for h in range(3):
-            assert abs(int(keep[b, h].sum()) - n * (1 - p)) < 5 * sd
-    assert abs(dropout.keep_threshold(p) / 65536 - (1 - p)) <= 0.5 / 65536
+            assert abs(int(keep[b, h].sum()) - n * rate) < 5 * sd
 
 
 def test_mask_is_a_pure_function_of_position():

@@ -79,6 +79,16 @@ def test_python_catalog_is_the_generators():
     assert set(_dispatch.ARCHS) == {f.arch for f in gen.FAMILIES}
 
 
+def test_dropout_constants_are_the_generators():
+    """Dropout's mask function has one set of constants: the kernels' header and the torch twin
+    (cutlass_flash.dropout, through _catalog) read the generator's."""
+    from cutlass_flash import _catalog, dropout
+
+    assert (ROOT / "csrc" / "generated" / gen.DROPOUT_HEADER).read_text() == gen.dropout_header()
+    assert f"kPhiloxRounds = {gen.DROPOUT_PHILOX_ROUNDS};" in gen.dropout_header()
+    assert _catalog.DROPOUT_PHILOX_ROUNDS == gen.DROPOUT_PHILOX_ROUNDS == dropout.ROUNDS
+
+
 def test_backward_workspace_table():
     """The generated C++ layout and the Python size come from one table and agree."""
     assert (ROOT / "csrc" / "generated" / gen.BWD_WORKSPACE_HEADER).read_text() == \
@@ -143,8 +153,8 @@ def test_bad_knob_raises(env, match):
 
 
 def test_write_generated_is_idempotent_and_prunes(tmp_path):
-    # One translation unit per instantiation, and the workspace header.
-    assert len(gen.write_generated(tmp_path)) == len(gen.all_instantiations()) + 1
+    # One translation unit per instantiation, the workspace header and dropout's constants.
+    assert len(gen.write_generated(tmp_path)) == len(gen.all_instantiations()) + 2
     assert gen.write_generated(tmp_path) == []       # unchanged text: nothing rewritten
     stale = tmp_path / "fwd_sm80_hdim48_bf16.cu"
     stale.write_text(gen.MARKER + "\n")

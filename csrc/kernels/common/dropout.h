@@ -7,15 +7,18 @@
 // The keep mask is a pure function of (sequence b, query head h, query row i, key column j), the
 // coordinates within the sequence, so every kernel family, tile shape and direction draws the
 // same mask, and a sequence's mask does not depend on the rest of a packed batch:
-//   i = 16 I + 8 a + r,  j = 16 J + 8 c + 2 t + g   (a, c, g in {0, 1}; r < 8; t < 4)
-//   bits = Philox(counter = (J, I, h * 32 + r * 4 + t, b + offset), key = seed)   (4 words)
-//   u    = 16 bits of word 2 g + a: the low half if c = 0, the high half if c = 1
-//   keep = u < threshold,  threshold = round((1 - dropout_p) * 65536)  (float32 arithmetic)
+//   i = 16 I + 8 a + r,  j = 32 J + 16 e + 8 c + 2 t + g   (a, c, e, g in {0, 1}; r < 8; t < 4)
+//   words = Philox(counter = (J, I, h * 32 + r * 4 + t, b + offset), key = seed)   (4 x 32 bits)
+//   u     = byte 2 e + c of word 2 g + a
+//   keep  = u < threshold,  threshold = round((1 - dropout_p) * 256)  (float32 arithmetic)
 // with (seed, offset) the two int64 of the call's rng_state (drawn from torch's CUDA generator).
-// One Philox call covers the 8 scores {i, i + 8} x {j, j + 1, j + 8, j + 9} of a 16 x 16 tile: in
-// an m16n8 or wgmma accumulator a thread holds exactly those of one (I, J, r, t), so the forward
-// uses all 8; a tile whose n8 column groups alternate between warps (the sm80 backward), or S^T
-// (the sm90 backward, queries along the accumulator's columns), uses 4 of them.
+// The kept scores are scaled by 256 / threshold (the inverse of the keep rate drawn, so the
+// expectation is exact; dropout_p is in effect rounded to a multiple of 1/256, as in
+// FlashAttention-2). One Philox call covers the 16 scores {i, i + 8} x {j, j + 1, j + 8, j + 9,
+// j + 16, ...} of a 16 x 32 tile: in an m16n8 or wgmma accumulator a thread holds exactly those of
+// one (I, J, r, t) when its n8 column groups are adjacent (the forwards) and the tile's columns
+// start at a multiple of 32 (else half of them); the sm80 backward's warps alternate n8 groups
+// (4 or 8 used), S^T in the sm90 backward has 2 keys per thread (4 used).
 // cutlass_flash/dropout.py computes the same mask in torch (the tests' reference).
 #pragma once
 
@@ -50,57 +53,62 @@ struct Dropout {
 
   __host__ __device__ bool on() const { return p->dropout_p > 0.f; }
 
-  // What the kept probabilities are multiplied by: the forward's O and the backward's dV.
-  __host__ __device__ static float keep_scale(const AttnProblem& p) {
-    return p.dropout_p > 0.f ? 1.f / (1.f - p.dropout_p) : 1.f;
-  }
+  // What a tile's first column (a multiple of its width) is a multiple of, of 32 at most: the
+  // kAlign of for_each_keep.
+  static constexpr int column_align(int block_n) { return block_n % 32 == 0 ? 32 : block_n % 16 == 0 ? 16 : 8; }
+
   __host__ __device__ static uint32_t keep_threshold(float dropout_p) {
-    return uint32_t((1.f - dropout_p) * 65536.f + 0.5f);
+    return uint32_t((1.f - dropout_p) * 256.f + 0.5f);
+  }
+  // What the kept probabilities are multiplied by (the forward's O, the backward's dV and dP):
+  // 1 / keep rate; 0 when nothing is kept (O and the gradients are then 0).
+  __host__ __device__ static float keep_scale(const AttnProblem& p) {
+    if (p.dropout_p == 0.f) return 1.f;
+    const uint32_t threshold = keep_threshold(p.dropout_p);
+    return threshold > 0 ? 256.f / float(threshold) : 0.f;
   }
 
   // Calls f(mi, ni, keep) for each score (mi, ni) of a register tile of P. c: the tile's (row,
   // col) coordinates (an identity tensor partitioned like the accumulator, in the same view as the
   // scores); offsets added to them give positions in the sequence. Non-transposed: rows are
   // queries, the accumulator's rows r and r + 8 of each m16 slice are view rows 2u, 2u + 1, its
-  // column pairs (2t, 2t + 1) view columns 2k, 2k + 1; kPaired8: pair k + 1 is 8 columns right of
-  // pair k for even k (one Philox call serves both). kTransposed: the view is (query, key) of S^T
-  // (the sm90 backward's colrow view, coordinates (key, query) as WindowMask::apply), query pairs
-  // along view rows, key rows r, r + 8 along view columns 2v, 2v + 1.
+  // column pairs (2t, 2t + 1) view columns 2k, 2k + 1, pair k + 1 kPairStep columns right of pair k
+  // (8: adjacent n8 groups); kAlign: what the tile's first column is a multiple of (of 32 at most),
+  // so that kAlign / kPairStep consecutive pairs share one Philox call. kTransposed: the view is
+  // (query, key) of S^T (the sm90 backward's colrow view, coordinates (key, query) as
+  // WindowMask::apply), query pairs along view rows, key rows r, r + 8 along view columns 2v, 2v + 1.
   // kUnroll: how many Philox calls the compiler may interleave (their temporaries live together).
-  template <bool kTransposed, bool kPaired8, int kUnroll = 64, typename TensorC, typename Fn>
+  template <bool kTransposed, int kPairStep, int kAlign, int kUnroll = 64, typename TensorC, typename Fn>
   __device__ void for_each_keep(const TensorC& c, int row_offset, int col_offset, Fn&& f) const {
     using namespace cute;
     const uint4 rng = *reinterpret_cast<const uint4*>(p->rng_state);  // seed lo, hi, offset lo, hi
-    // The key taken warp-uniform from lane 0, so its 10 round values live in uniform registers
-    // (shared by every Philox call) instead of 20 per-thread ones: in per-thread registers the
-    // sm90 forward spilled 60-76 B at d = 192 / 256.
-    const uint32_t k0 = __shfl_sync(0xffffffff, rng.x, 0), k1 = __shfl_sync(0xffffffff, rng.y, 0);
     const uint32_t threshold = keep_threshold(p->dropout_p);
     const uint32_t c3 = uint32_t(batch) + rng.z;
     auto bits = [&](int i, int j) {
       const uint32_t sub = (uint32_t(head) << 5) | (uint32_t(i & 7) << 2) | (uint32_t(j & 7) >> 1);
-      return Philox::generate(make_uint4(uint32_t(j) >> 4, uint32_t(i) >> 4, sub, c3), k0, k1);
+      return Philox::generate(make_uint4(uint32_t(j) >> 5, uint32_t(i) >> 4, sub, c3), rng.x, rng.y);
     };
-    // The 16 bits of half `hi` of word w.
-    auto keep = [&](uint32_t w, bool hi) { return (hi ? w >> 16 : w & 0xffffu) < threshold; };
+    // Byte `b` of word w against the threshold (one PRMT: the byte into the low 8 bits).
+    auto keep = [&](uint32_t w, uint32_t b) { return __byte_perm(w, 0u, 0x4440u | b) < threshold; };
     constexpr int kRows = decltype(size<0>(c))::value, kCols = decltype(size<1>(c))::value;
     if constexpr (!kTransposed) {
-      static_assert(kRows % 2 == 0 && kCols % (kPaired8 ? 4 : 2) == 0);
+      constexpr int kPairs = (kAlign < 32 ? kAlign : 32) / kPairStep > 0 ? (kAlign < 32 ? kAlign : 32) / kPairStep : 1;
+      static_assert(kRows % 2 == 0 && (kCols / 2) % kPairs == 0);
 #pragma unroll kUnroll
       for (int u = 0; u < kRows / 2; ++u) {
 #pragma unroll kUnroll
-        for (int k = 0; k < kCols / 2; k += kPaired8 ? 2 : 1) {
+        for (int k = 0; k < kCols / 2; k += kPairs) {
           const int i = get<0>(c(2 * u, 2 * k)) + row_offset, j = get<1>(c(2 * u, 2 * k)) + col_offset;
           const uint4 r = bits(i, j);
           const uint32_t w[4] = {r.x, r.y, r.z, r.w};
-          // Score e of a column pair: row + 8 (a) = e / 2, column + 1 (g) = e % 2: word 2 g + a.
-          // Its half: c, the pair's column bit 3, 0 then 1 when paired.
-          const bool c_first = kPaired8 ? false : ((j >> 3) & 1);
+          // Byte 2 e + c of the call's first pair: 0 when its 4 pairs are a whole 32-column group.
+          const uint32_t b0 = kPairStep == 8 && kPairs == 4 ? 0u : (uint32_t(j) >> 3) & 3;
           CUTE_UNROLL
-          for (int kk = 0; kk < (kPaired8 ? 2 : 1); ++kk) {
+          for (int kk = 0; kk < kPairs; ++kk) {
+            // Score x of a pair: row + 8 (a) = x / 2, column + 1 (g) = x % 2: word 2 g + a.
             CUTE_UNROLL
-            for (int e = 0; e < 4; ++e)
-              f(2 * u + e / 2, 2 * (k + kk) + e % 2, keep(w[2 * (e % 2) + e / 2], kPaired8 ? kk == 1 : c_first));
+            for (int x = 0; x < 4; ++x)
+              f(2 * u + x / 2, 2 * (k + kk) + x % 2, keep(w[2 * (x % 2) + x / 2], b0 + kk * (kPairStep / 8)));
           }
         }
       }
@@ -116,30 +124,31 @@ struct Dropout {
           const int i = get<1>(c(q, 2 * v)) + row_offset, j = get<0>(c(q, 2 * v)) + col_offset;
           const uint4 r = bits(i, j);
           const uint32_t w0 = (j & 1) ? r.z : r.x, w1 = (j & 1) ? r.w : r.y;
+          const uint32_t b0 = (uint32_t(j) >> 3) & 3;  // key + 8: the next byte
           CUTE_UNROLL
-          for (int e = 0; e < 4; ++e) f(q + 2 * (e / 2), 2 * v + e % 2, keep(e / 2 ? w1 : w0, e % 2));
+          for (int x = 0; x < 4; ++x) f(q + 2 * (x / 2), 2 * v + x % 2, keep(x / 2 ? w1 : w0, b0 + x % 2));
         }
       }
     }
   }
 
   // op(score, keep) on each score of s (the view c describes, as for_each_keep).
-  template <bool kTransposed, bool kPaired8, typename TensorS, typename TensorC, typename Op>
+  template <bool kTransposed, int kPairStep, int kAlign, typename TensorS, typename TensorC, typename Op>
   __device__ void apply(TensorS&& s, const TensorC& c, int row_offset, int col_offset, Op op) const {
-    for_each_keep<kTransposed, kPaired8>(c, row_offset, col_offset,
-                                         [&](int mi, int ni, bool keep) { op(s(mi, ni), keep); });
+    for_each_keep<kTransposed, kPairStep, kAlign>(c, row_offset, col_offset,
+                                                  [&](int mi, int ni, bool keep) { op(s(mi, ni), keep); });
   }
 
   // The keep bits of a tile, bit mi + rows * ni (at most 64 scores per thread: the tiles that
   // take this path have 32-64), computed before the tile's GEMMs are issued so that the Philox
   // temporaries are not live beside their accumulators (the sm90 backward at d = 64 spilled 8 B
   // otherwise; the sm90 forward at d = 256 60-76 B), then applied with apply_bits.
-  template <bool kTransposed, bool kPaired8, int kUnroll = 64, typename TensorC>
+  template <bool kTransposed, int kPairStep, int kAlign, int kUnroll = 64, typename TensorC>
   __device__ uint64_t keep_bits(const TensorC& c, int row_offset, int col_offset) const {
     constexpr int kRows = decltype(cute::size<0>(c))::value;
     static_assert(decltype(cute::size(c))::value <= 64);
     uint64_t bits = 0;
-    for_each_keep<kTransposed, kPaired8, kUnroll>(c, row_offset, col_offset, [&](int mi, int ni, bool keep) {
+    for_each_keep<kTransposed, kPairStep, kAlign, kUnroll>(c, row_offset, col_offset, [&](int mi, int ni, bool keep) {
       bits |= uint64_t(keep) << (mi + kRows * ni);
     });
     return bits;

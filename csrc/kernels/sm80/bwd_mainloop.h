@@ -225,7 +225,7 @@ struct BwdMainloop {
       }
       if (dropout.on()) {  // dropped probabilities negated until dS is computed (Dropout::Negate)
         const auto c0 = s_coords(loop_tid())(0);
-        dropout.apply</*kTransposed=*/false, /*kPaired8=*/Traits::kWarpsNSdP == 1>(
+        dropout.apply</*kTransposed=*/false, /*kPairStep=*/8 * Traits::kWarpsNSdP, Dropout::column_align(kBlockN)>(
             p_rc, rowcol_view(make_coord_tensor(tScS.layout())), m * kBlockM + get<0>(c0), n_block * kBlockN + get<1>(c0),
             Dropout::Negate{});
       }

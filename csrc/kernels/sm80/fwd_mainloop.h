@@ -78,7 +78,7 @@ struct FwdMainloop {
       // Dropout's keep bits before S is live (Traits::kDropoutBitsFirst), or later on P in place.
       uint64_t keep = 0;
       if constexpr (Traits::kDropoutBitsFirst) {
-        if (dropout.on()) keep = dropout.keep_bits<false, true>(tScS_rc, m_block * kBlockM, n * kBlockN);
+        if (dropout.on()) keep = dropout.keep_bits<false, 8, Dropout::column_align(kBlockN)>(tScS_rc, m_block * kBlockM, n * kBlockN);
       }
       Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
       clear(acc_s);
@@ -112,7 +112,7 @@ struct FwdMainloop {
         if constexpr (Traits::kDropoutBitsFirst) {
           Dropout::apply_bits(scores, keep, Dropout::Zero{});
         } else {
-          dropout.apply</*kTransposed=*/false, /*kPaired8=*/true>(scores, tScS_rc, m_block * kBlockM, n * kBlockN,
+          dropout.apply</*kTransposed=*/false, 8, Dropout::column_align(kBlockN)>(scores, tScS_rc, m_block * kBlockM, n * kBlockN,
                                                                    Dropout::Zero{});
         }
       }

@@ -182,7 +182,7 @@ struct BwdMainloop {
                                 int m, int n_block, float scale_log2, Acc& acc_s, Acc& acc_dp) {
     // Dropout's keep bits before the accumulators are live (Dropout::keep_bits).
     uint64_t keep = 0;
-    if (dropout.on()) keep = dropout.keep_bits</*kTransposed=*/true, false>(colrow_view(tScS), m * kBlockM, n_block * kBlockN);
+    if (dropout.on()) keep = dropout.keep_bits</*kTransposed=*/true, 8, 32>(colrow_view(tScS), m * kBlockM, n_block * kBlockN);
     pipeline_q.consumer_wait(st_q);
     gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_sdp, tSrK, tSrQ(_, _, _, st_q.index()), acc_s);
     pipeline_do.consumer_wait(st_do);

@@ -208,10 +208,11 @@ struct FwdMainloop {
     // Dropout after max_and_exp, whose row sums are those of the undropped P: on the fp32 P while
     // the previous P V GEMM runs, or on the 16-bit P after it (Traits::kDropoutOnP16).
     const bool dropout_on = kDropout && dropout.on();
+    constexpr int kAlign = Dropout::column_align(kBlockN);
     auto drop = [&](auto&& p_rc, int n_block) {
       if (dropout_on)
-        dropout.apply</*kTransposed=*/false, /*kPaired8=*/true>(p_rc, rowcol_view(tScS), row_offset, n_block * kBlockN,
-                                                                 Dropout::Zero{});
+        dropout.apply</*kTransposed=*/false, 8, kAlign>(p_rc, rowcol_view(tScS), row_offset, n_block * kBlockN,
+                                                        Dropout::Zero{});
     };
     auto drop_fp32 = [&](auto& s_rc, int n_block) {
       if constexpr (!Traits::kDropoutOnP16) drop(s_rc, n_block);
@@ -219,8 +220,8 @@ struct FwdMainloop {
     auto drop_p16 = [&](int n_block) {
       if constexpr (Traits::kDropoutOnP16) {
         if (dropout_on) {
-          const uint64_t keep = dropout.keep_bits<false, true, /*kUnroll=*/1>(rowcol_view(tScS), row_offset,
-                                                                             n_block * kBlockN);
+          const uint64_t keep =
+              dropout.keep_bits<false, 8, kAlign, /*kUnroll=*/1>(rowcol_view(tScS), row_offset, n_block * kBlockN);
           Dropout::apply_bits(rowcol_view(rP), keep, Dropout::Zero{});
         }
       }

@@ -32,14 +32,15 @@ struct FwdTraits {
   // 2 consumer warpgroups: 128 x 24 + 256 x 240 = 64512; 3: 128 x 32 + 384 x 160 = 65536.
   static constexpr int kProducerRegs = kNMmaWarpGroups == 2 ? 24 : 32;
   static constexpr int kConsumerRegs = kNMmaWarpGroups == 2 ? 240 : 160;
-  // Dropout at d >= 192: a kernel of its own (the one without it is the kernel as it was: dropout's
-  // path in it spilled 8-76 B at d = 256, 60 B at d = 192, whatever the placement), which draws
-  // the mask on the 16-bit P once the previous block's P V GEMM is done and S is converted (O and
-  // one P live), one Philox call at a time: 0 B at d = 192, 52 B at d = 256 (on the fp32 P under
-  // the GEMM: 60 / 76 B). Below 192: one kernel, a runtime switch, the mask drawn on the fp32 P
-  // under the GEMM.
-  static constexpr bool kDropoutKernel = kHeadDim >= 192;
-  static constexpr bool kDropoutOnP16 = kDropoutKernel;
+  // Dropout in a kernel of its own at d = 64 and d >= 192, chosen at launch (the one without it
+  // is the kernel as it was, 0 B): with dropout's path in it the kernel spilled 8 B at d = 64 (the
+  // 16-score Philox calls beside 128-column S and P) and 8-76 B at d = 192 / 256, wherever the
+  // mask was drawn. At d >= 192 the dropout kernel draws it on the 16-bit P once the previous
+  // block's P V GEMM is done and S is converted (O and one P live), one Philox call at a time
+  // (0 B at d = 192, 32 B at d = 256; on the fp32 P under the GEMM 60 / 76 B). At d = 96 / 128:
+  // one kernel, a runtime switch, the mask drawn on the fp32 P under the GEMM.
+  static constexpr bool kDropoutKernel = kHeadDim <= 64 || kHeadDim >= 192;
+  static constexpr bool kDropoutOnP16 = kHeadDim >= 192;
 
   // Each consumer warpgroup multiplies its own 64 query rows: one wgmma atom tall.
   using TileShapeQK = Shape<_64, Int<kBlockN>, Int<kHeadDim>>;  // S = Q K^T: (M, N, K=d)
