@@ -77,8 +77,7 @@ struct Dropout {
   // so that kAlign / kPairStep consecutive pairs share one Philox call. kTransposed: the view is
   // (query, key) of S^T (the sm90 backward's colrow view, coordinates (key, query) as
   // WindowMask::apply), query pairs along view rows, key rows r, r + 8 along view columns 2v, 2v + 1.
-  // kUnroll: how many Philox calls the compiler may interleave (their temporaries live together).
-  template <bool kTransposed, int kPairStep, int kAlign, int kUnroll = 64, typename TensorC, typename Fn>
+  template <bool kTransposed, int kPairStep, int kAlign, typename TensorC, typename Fn>
   __device__ void for_each_keep(const TensorC& c, int row_offset, int col_offset, Fn&& f) const {
     using namespace cute;
     const uint4 rng = *reinterpret_cast<const uint4*>(p->rng_state);  // seed lo, hi, offset lo, hi
@@ -94,9 +93,9 @@ struct Dropout {
     if constexpr (!kTransposed) {
       constexpr int kPairs = (kAlign < 32 ? kAlign : 32) / kPairStep > 0 ? (kAlign < 32 ? kAlign : 32) / kPairStep : 1;
       static_assert(kRows % 2 == 0 && (kCols / 2) % kPairs == 0);
-#pragma unroll kUnroll
+CUTE_UNROLL
       for (int u = 0; u < kRows / 2; ++u) {
-#pragma unroll kUnroll
+CUTE_UNROLL
         for (int k = 0; k < kCols / 2; k += kPairs) {
           const int i = get<0>(c(2 * u, 2 * k)) + row_offset, j = get<1>(c(2 * u, 2 * k)) + col_offset;
           const uint4 r = bits(i, j);
@@ -116,10 +115,10 @@ struct Dropout {
       static_assert(kRows % 4 == 0 && kCols % 2 == 0);
       // View row 4 I' + p + 2 a is query 16 I' + 8 a + 2 (lane % 4) + p, view column 2 v + c key
       // 8 c + lane / 4 (+ 16 v): one call per (I', p, v), its words 2 g + a with g = key & 1.
-#pragma unroll kUnroll
+CUTE_UNROLL
       for (int qq = 0; qq < kRows / 2; ++qq) {
         const int q = 4 * (qq / 2) + qq % 2;
-#pragma unroll kUnroll
+CUTE_UNROLL
         for (int v = 0; v < kCols / 2; ++v) {
           const int i = get<1>(c(q, 2 * v)) + row_offset, j = get<0>(c(q, 2 * v)) + col_offset;
           const uint4 r = bits(i, j);
@@ -143,12 +142,12 @@ struct Dropout {
   // take this path have 32-64), computed before the tile's GEMMs are issued so that the Philox
   // temporaries are not live beside their accumulators (the sm90 backward at d = 64 spilled 8 B
   // otherwise; the sm90 forward at d = 256 60-76 B), then applied with apply_bits.
-  template <bool kTransposed, int kPairStep, int kAlign, int kUnroll = 64, typename TensorC>
+  template <bool kTransposed, int kPairStep, int kAlign, typename TensorC>
   __device__ uint64_t keep_bits(const TensorC& c, int row_offset, int col_offset) const {
     constexpr int kRows = decltype(cute::size<0>(c))::value;
     static_assert(decltype(cute::size(c))::value <= 64);
     uint64_t bits = 0;
-    for_each_keep<kTransposed, kPairStep, kAlign, kUnroll>(c, row_offset, col_offset, [&](int mi, int ni, bool keep) {
+    for_each_keep<kTransposed, kPairStep, kAlign>(c, row_offset, col_offset, [&](int mi, int ni, bool keep) {
       bits |= uint64_t(keep) << (mi + kRows * ni);
     });
     return bits;

@@ -221,7 +221,7 @@ struct FwdMainloop {
       if constexpr (Traits::kDropoutOnP16) {
         if (dropout_on) {
           const uint64_t keep =
-              dropout.keep_bits<false, 8, kAlign, /*kUnroll=*/1>(rowcol_view(tScS), row_offset, n_block * kBlockN);
+              dropout.keep_bits<false, 8, kAlign>(rowcol_view(tScS), row_offset, n_block * kBlockN);
           Dropout::apply_bits(rowcol_view(rP), keep, Dropout::Zero{});
         }
       }

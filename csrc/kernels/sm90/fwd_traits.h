@@ -36,9 +36,10 @@ struct FwdTraits {
   // is the kernel as it was, 0 B): with dropout's path in it the kernel spilled 8 B at d = 64 (the
   // 16-score Philox calls beside 128-column S and P) and 8-76 B at d = 192 / 256, wherever the
   // mask was drawn. At d >= 192 the dropout kernel draws it on the 16-bit P once the previous
-  // block's P V GEMM is done and S is converted (O and one P live), one Philox call at a time
-  // (0 B at d = 192, 32 B at d = 256; on the fp32 P under the GEMM 60 / 76 B). At d = 96 / 128:
-  // one kernel, a runtime switch, the mask drawn on the fp32 P under the GEMM.
+  // block's P V GEMM is done and S is converted (O and one P live): 0 B at d = 192, 72 B at
+  // d = 256, whose dropout forward still ran 5-13% faster than with one Philox call at a time
+  // (32 B) or on the fp32 P under the GEMM (92 B) (PERFLOG.md entry 41). At d = 96 / 128: one
+  // kernel, a runtime switch, the mask drawn on the fp32 P under the GEMM.
   static constexpr bool kDropoutKernel = kHeadDim <= 64 || kHeadDim >= 192;
   static constexpr bool kDropoutOnP16 = kHeadDim >= 192;
 
