@@ -8,7 +8,8 @@ The second shape has more query tiles (4 x 4 x 9 = 144 at 128 rows) than an H100
 the persistent sm90 kernel takes a second tile on some blocks (Q and O shared memory reused), and
 with causal, query rows that see no key. Pass 80 or 90 to force a kernel family, and a comma-separated
 list of head dims to check only those (default: every head dim with a built backward); a third
-argument `det` runs the backward with deterministic=True (the dQ semaphores), `varlen` runs
+argument `det` runs the backward with deterministic=True (the dQ semaphores), `dropout` with
+dropout_p = 0.3 (the Philox mask, the sm90 forward's dropout kernels), `varlen` runs
 variable-length batches instead, with good and with bad cu_seqlens (past the tensors, decreasing),
 which the kernels must clamp.
 """
@@ -25,6 +26,7 @@ def main():
     if len(sys.argv) > 2:
         dims = [int(d) for d in sys.argv[2].split(",")]
     deterministic = len(sys.argv) > 3 and sys.argv[3] == "det"
+    dropout_p = 0.3 if len(sys.argv) > 3 and sys.argv[3] == "dropout" else 0.0
     if len(sys.argv) > 3 and sys.argv[3] == "varlen":
         return varlen(arch, dims)
     torch.manual_seed(0)
@@ -37,7 +39,8 @@ def main():
                         requires_grad=True)
         v = torch.randn_like(k, requires_grad=True)
         with cutlass_flash.force_arch(arch):
-            out = cutlass_flash.flash_attn_func(q, k, v, causal=causal, deterministic=deterministic)
+            out = cutlass_flash.flash_attn_func(q, k, v, causal=causal, deterministic=deterministic,
+                                                dropout_p=dropout_p)
             out.backward(torch.randn_like(out))
         torch.cuda.synchronize()
         print(f"d={d} {batch}x{seqlen_q}x{seqlen_k} causal={causal}: "

@@ -347,6 +347,38 @@ def test_cuda_graph_capture():
     assert torch.equal(out, ref)
 
 
+def test_cuda_graph_dropout_draws_anew_each_replay():
+    """Dropout inside a CUDA graph: the captured generator call writes a new (seed, offset) on
+    each replay, which the kernels read from device memory; each replay's output is attention
+    under that replay's mask (the low-level forward returns its rng_state buffer)."""
+    from cutlass_flash import dropout
+    from cutlass_flash.lowlevel import _flash_attn_forward
+
+    case = Case(2, 200, 200, 4, 2, 128, "bf16", False, 0)
+    skip_if_not_built(case)
+    q, k, v = (t.detach() for t in make_inputs(case, "cuda"))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up outside capture
+        _flash_attn_forward(q, k, v, 0.3, None, False)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, _, _, rng_state = _flash_attn_forward(q, k, v, 0.3, None, False)
+    outs, states = [], []
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        outs.append(out.clone())
+        states.append(rng_state.clone())
+    assert not torch.equal(states[0], states[1]) and not torch.equal(outs[0], outs[1])
+    for o, st in zip(outs, states):
+        keep = dropout.keep_mask(st, case.batch, case.nheads, case.seqlen_q, case.seqlen_k, 0.3)
+        ref = reference_outputs(q, k, v, torch.zeros_like(q), dtype=torch.float64, dropout_p=0.3, keep=keep)
+        same = reference_outputs(q, k, v, torch.zeros_like(q), dropout_p=0.3, keep=keep)
+        assert_within_tolerance("out", o, same[0], ref[0])
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_tensors_on_second_gpu():
     case = Case(2, 128, 200, 4, 2, 64, "bf16", True, 0)

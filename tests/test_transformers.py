@@ -1,7 +1,7 @@
 """Hugging Face transformers: attn_implementation="cutlass_flash" against transformers' own
 sdpa / eager attention on tiny random-weight models built from its classes (Llama; Mistral with a
 sliding window; Gemma 2 with softcap and alternating sliding layers), for padded batches, packed
-(padding-free) batches and a short training run. On CPU the kernels are the fake binding's float64
+(padding-free) batches, a short training run, and attention dropout in training. On CPU the kernels are the fake binding's float64
 stand-in (the integration's unpad / pad / packing / argument plumbing); on the GPU the kernels."""
 
 import pytest
@@ -154,6 +154,33 @@ def test_training_fake(fake_backend):
     _check_training("llama", "cpu", steps=10)
 
 
+def _dropout_model(device):
+    torch.manual_seed(0)
+    config = _config("llama")
+    config.attention_dropout = 0.25
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=hf.NAME).to(device)
+
+
+def _check_attention_dropout(device, steps):
+    """The model's attention_dropout reaches our dropout_p in training (not in eval), and a
+    training run with it learns."""
+    model = _dropout_model(device).to(torch.bfloat16)
+    ids, _ = _batch(device, lengths=(20, 20, 20))
+    with torch.no_grad():
+        model.eval()
+        a, b = model(input_ids=ids).logits, model(input_ids=ids).logits
+        model.train()
+        c = model(input_ids=ids).logits
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    losses = _train(model, device, steps)
+    assert losses[-1] < losses[0] - 0.5, f"loss did not fall with dropout: {losses[0]:.3f} -> {losses[-1]:.3f}"
+
+
+def test_attention_dropout_fake(fake_backend):
+    _check_attention_dropout("cpu", steps=10)
+    assert {p.get("dropout_p", 0.0) for _, _, p in fake_backend.calls} == {0.0, 0.25}
+
+
 # -- GPU ----------------------------------------------------------------------------------------
 
 
@@ -168,6 +195,11 @@ def test_padded_batch(kind, left_pad):
 @pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
 def test_packed_batch(kind):
     _check_packed(kind, "cuda")
+
+
+@pytest.mark.gpu
+def test_attention_dropout():
+    _check_attention_dropout("cuda", steps=30)
 
 
 @pytest.mark.gpu
