@@ -18,7 +18,8 @@
 // j + 16, ...} of a 16 x 32 tile: in an m16n8 or wgmma accumulator a thread holds exactly those of
 // one (I, J, r, t) when its n8 column groups are adjacent (the forwards) and the tile's columns
 // start at a multiple of 32 (else half of them); the sm80 backward's warps alternate n8 groups
-// (4 or 8 used), S^T in the sm90 backward has 2 keys per thread (4 used).
+// (4 or 8 used); S^T in the sm90 backward (2 keys per thread) draws the calls in the forward's
+// roles and shuffles the scores to their threads (8 used).
 // cutlass_flash/dropout.py computes the same mask in torch (the tests' reference).
 #pragma once
 
@@ -91,11 +92,12 @@ struct Dropout {
     auto keep = [&](uint32_t w, uint32_t b) { return __byte_perm(w, 0u, 0x4440u | b) < threshold; };
     constexpr int kRows = decltype(size<0>(c))::value, kCols = decltype(size<1>(c))::value;
     if constexpr (!kTransposed) {
-      constexpr int kPairs = (kAlign < 32 ? kAlign : 32) / kPairStep > 0 ? (kAlign < 32 ? kAlign : 32) / kPairStep : 1;
+      constexpr int kSpan = kAlign < 32 ? kAlign : 32;  // columns one call's pairs may span
+      constexpr int kPairs = kSpan / kPairStep > 0 ? kSpan / kPairStep : 1;
       static_assert(kRows % 2 == 0 && (kCols / 2) % kPairs == 0);
-CUTE_UNROLL
+      CUTE_UNROLL
       for (int u = 0; u < kRows / 2; ++u) {
-CUTE_UNROLL
+        CUTE_UNROLL
         for (int k = 0; k < kCols / 2; k += kPairs) {
           const int i = get<0>(c(2 * u, 2 * k)) + row_offset, j = get<1>(c(2 * u, 2 * k)) + col_offset;
           const uint4 r = bits(i, j);
@@ -112,20 +114,35 @@ CUTE_UNROLL
         }
       }
     } else {
-      static_assert(kRows % 4 == 0 && kCols % 2 == 0);
-      // View row 4 I' + p + 2 a is query 16 I' + 8 a + 2 (lane % 4) + p, view column 2 v + c key
-      // 8 c + lane / 4 (+ 16 v): one call per (I', p, v), its words 2 g + a with g = key & 1.
-CUTE_UNROLL
-      for (int qq = 0; qq < kRows / 2; ++qq) {
-        const int q = 4 * (qq / 2) + qq % 2;
-CUTE_UNROLL
-        for (int v = 0; v < kCols / 2; ++v) {
-          const int i = get<1>(c(q, 2 * v)) + row_offset, j = get<0>(c(q, 2 * v)) + col_offset;
-          const uint4 r = bits(i, j);
-          const uint32_t w0 = (j & 1) ? r.z : r.x, w1 = (j & 1) ? r.w : r.y;
-          const uint32_t b0 = (uint32_t(j) >> 3) & 3;  // key + 8: the next byte
+      // S^T (the sm90 backward): a thread holds keys r', r' + 8 (r' = lane / 4) of its warp's 16
+      // and queries 2 q' + p + 8 j (q' = lane % 4). Drawing its own calls, a thread would use 4
+      // scores of each (the two keys of one query pair). So the calls are drawn in the forward's
+      // roles instead: per 16 queries, lane L draws call (r = L / 4, t = L % 4) of the warp's 16
+      // keys (8 of whose 16 bytes fall on them), packs those 8 bytes in two words (g = 0, 1), and
+      // each thread takes its 8 scores from the 2 lanes holding them: 1 call and 4 shuffles per 8
+      // scores, where drawing its own took 2 calls.
+      static_assert(kRows % 4 == 0 && kCols == 2);
+      const int lane = threadIdx.x % 32;
+      const int i0 = get<1>(c(0, 0)) + row_offset;  // 16-aligned query block + 2 q'
+      const int j0 = get<0>(c(0, 0)) + col_offset;  // the warp's 16-aligned key slab + r'
+      const int slab = j0 & ~15;
+      // Bytes 2 e, 2 e + 1 (c = 0, 1) of words 2 g (a = 0) and 2 g + 1 (a = 1): packed byte 2 a + c.
+      const uint32_t e2 = 2 * ((uint32_t(slab) >> 4) & 1);
+      const uint32_t pack = e2 | ((e2 + 1) << 4) | ((e2 + 4) << 8) | ((e2 + 5) << 12);
+      const bool g = j0 & 1;
+      const int src = 8 * (lane & 3) + ((lane >> 2) >> 1);  // the call of query pair p = 0; + 4: p = 1
+      CUTE_UNROLL
+      for (int ib = 0; ib < kRows / 4; ++ib) {
+        const uint4 r = bits((i0 & ~15) + 16 * ib + (lane >> 2), slab + 2 * (lane & 3));
+        const uint32_t packed0 = __byte_perm(r.x, r.y, pack), packed1 = __byte_perm(r.z, r.w, pack);
+        CUTE_UNROLL
+        for (int p = 0; p < 2; ++p) {
+          const uint32_t v0 = __shfl_sync(0xffffffff, packed0, src + 4 * p);
+          const uint32_t v1 = __shfl_sync(0xffffffff, packed1, src + 4 * p);
+          const uint32_t v = g ? v1 : v0;
+          // View row 4 ib + 2 a + p is query 16 ib + 8 a + 2 q' + p; view column c key r' + 8 c.
           CUTE_UNROLL
-          for (int x = 0; x < 4; ++x) f(q + 2 * (x / 2), 2 * v + x % 2, keep(x / 2 ? w1 : w0, b0 + x % 2));
+          for (int x = 0; x < 4; ++x) f(4 * ib + 2 * (x / 2) + p, x % 2, keep(v, x));
         }
       }
     }
