@@ -1,8 +1,9 @@
 // Dropout on P (arch-neutral), Algorithm 2 of FlashAttention: each probability is kept with
-// probability 1 - dropout_p and the kept ones are scaled by 1 / (1 - dropout_p) (in the forward's
-// output normalisation and the backward's dV, once per row or tile, not per score). The softmax
-// statistics (row sums, LSE) are those of the undropped P, as in FlashAttention-2. A runtime
-// switch, uniform per call: off (dropout_p = 0) costs one predicated branch per key block.
+// probability 1 - dropout_p and the kept ones are scaled by the inverse of that rate (in the
+// forward's output normalisation and the backward's dV, once per row or tile, not per score). The
+// softmax statistics (row sums, LSE) are those of the undropped P, as in FlashAttention-2. A
+// runtime switch, uniform per call (off: one predicated branch per key block), or a kernel of its
+// own where the path cost registers (sm90::FwdTraits::kDropoutKernel).
 //
 // The keep mask is a pure function of (sequence b, query head h, query row i, key column j), the
 // coordinates within the sequence, so every kernel family, tile shape and direction draws the
@@ -156,9 +157,9 @@ struct Dropout {
   }
 
   // The keep bits of a tile, bit mi + rows * ni (at most 64 scores per thread: the tiles that
-  // take this path have 32-64), computed before the tile's GEMMs are issued so that the Philox
-  // temporaries are not live beside their accumulators (the sm90 backward at d = 64 spilled 8 B
-  // otherwise; the sm90 forward at d = 256 60-76 B), then applied with apply_bits.
+  // take this path have 32-64), for kernels that draw them where fewer registers are live than
+  // where they are applied (apply_bits): the sm90 backward before its step's GEMMs (drawn on P
+  // in place it spilled 8 B at d = 64), the sm80 forward before S.
   template <bool kTransposed, int kPairStep, int kAlign, typename TensorC>
   __device__ uint64_t keep_bits(const TensorC& c, int row_offset, int col_offset) const {
     constexpr int kRows = decltype(cute::size<0>(c))::value;
