@@ -171,7 +171,7 @@ struct BwdMainloop {
   // The first half of a consumer step, shared by both layouts: S^T = K Q^T and dP^T = V dO^T
   // issued together (after their stage's loads), then in their accumulators P^T = exp2(S^T *
   // scale_log2 - LSE) under the mask, while dP^T is computed, and dS^T = P^T (dP^T - D).
-  // Under dropout, dP^T is the GEMM's times mask / (1 - p), and P^T leaves with the dropped
+  // Under dropout, dP^T is the GEMM's times mask times the keep scale, and P^T leaves with the dropped
   // probabilities zeroed (for the dV GEMM). stats_offset: this warpgroup's first query in the step's LSE and D (kStatQueries of them).
   template <int kStatQueries, typename TiledMma, typename FragA, typename FragB, typename Acc, typename Coords>
   __device__ static void scores(TiledMma& mma_sdp, const FragA& tSrK, const FragB& tSrQ, const FragA& tdPrV,
@@ -180,9 +180,6 @@ struct BwdMainloop {
                                 int stats_offset, const WindowMask& mask, const Softcap& softcap, const Alibi& alibi,
                                 const Dropout& dropout, const Coords& tScS,
                                 int m, int n_block, float scale_log2, Acc& acc_s, Acc& acc_dp) {
-    // Dropout's keep bits before the accumulators are live (Dropout::keep_bits).
-    uint64_t keep = 0;
-    if (dropout.on()) keep = dropout.keep_bits</*kTransposed=*/true, 8, 32>(colrow_view(tScS), m * kBlockM, n_block * kBlockN);
     pipeline_q.consumer_wait(st_q);
     gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_sdp, tSrK, tSrQ(_, _, _, st_q.index()), acc_s);
     pipeline_do.consumer_wait(st_do);
@@ -201,7 +198,10 @@ struct BwdMainloop {
       CUTE_UNROLL
       for (int ki = 0; ki < size<1>(s); ++ki) s(qi, ki) = exp2f(s(qi, ki) * scale_log2 - lse_q);
     }
-    if (dropout.on()) Dropout::apply_bits(s, keep, Dropout::Negate{});
+    // Drawn on P in place while dP^T runs: bits drawn before the GEMMs and held through them cost
+    // the backward without dropout 2-6% at d = 64 (PERFLOG.md entry 44).
+    if (dropout.on())
+      dropout.apply</*kTransposed=*/true, 8, 32>(s, colrow_view(tScS), m * kBlockM, n_block * kBlockN, Dropout::Negate{});
     warpgroup_wait<0>();  // dP^T done
     warpgroup_fence_operand(acc_dp);
     Tensor ds = colrow_view(acc_dp);
