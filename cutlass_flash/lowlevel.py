@@ -64,6 +64,17 @@ def _check_grad_buffer(name, buf, like):
         )
 
 
+def _check_backward_args(q, k, v, dout, out, dq, dk, dv, dropout_p, rng_state):
+    """What both backwards take beyond the forward's arguments: dout and out like q, the gradient
+    buffers (or None), and the forward's rng_state when dropout_p > 0."""
+    _validate.check_rng_state(rng_state, dropout_p, q.device)
+    for name, t in (("dout", dout), ("out", out)):
+        if not isinstance(t, torch.Tensor) or t.shape != q.shape or t.dtype != q.dtype:
+            raise ValueError(f"{name} must be a tensor like q ({tuple(q.shape)} {q.dtype})")
+    for name, buf, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        _check_grad_buffer(name, buf, like)
+
+
 def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale,
                          causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
                          alibi_slopes=None, deterministic=False, rng_state=None):
@@ -76,12 +87,7 @@ def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p,
     scale, left, right = _validate.check_call(q, k, v, dropout_p, softmax_scale, causal,
                                               (window_size_left, window_size_right), softcap,
                                               alibi_slopes, deterministic)
-    _validate.check_rng_state(rng_state, dropout_p, q.device)
-    for name, t in (("dout", dout), ("out", out)):
-        if not isinstance(t, torch.Tensor) or t.shape != q.shape or t.dtype != q.dtype:
-            raise ValueError(f"{name} must be a tensor like q ({tuple(q.shape)} {q.dtype})")
-    for name, buf, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
-        _check_grad_buffer(name, buf, like)
+    _check_backward_args(q, k, v, dout, out, dq, dk, dv, dropout_p, rng_state)
     dq, dk, dv = _ops._bwd_impl(dout.detach(), q.detach(), k.detach(), v.detach(), out.detach(),
                                 softmax_lse, scale, left, right, _dispatch._forced_arch,
                                 deterministic, dq, dk, dv, softcap=float(softcap),
@@ -133,12 +139,7 @@ def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_
     scale, left, right, max_q, max_k = _validate.check_varlen_call(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
         causal, (window_size_left, window_size_right), softcap, alibi_slopes, deterministic)
-    _validate.check_rng_state(rng_state, dropout_p, q.device)
-    for name, t in (("dout", dout), ("out", out)):
-        if not isinstance(t, torch.Tensor) or t.shape != q.shape or t.dtype != q.dtype:
-            raise ValueError(f"{name} must be a tensor like q ({tuple(q.shape)} {q.dtype})")
-    for name, buf, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
-        _check_grad_buffer(name, buf, like)
+    _check_backward_args(q, k, v, dout, out, dq, dk, dv, dropout_p, rng_state)
     _ops._varlen_bwd_impl(dout.detach(), q.detach(), k.detach(), v.detach(), out.detach(),
                           softmax_lse, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, left, right,
                           _dispatch._forced_arch, deterministic, dq, dk, dv, softcap=float(softcap),

@@ -102,8 +102,9 @@ class FakeC:
         Q, K, V, Out = self._tensors(p, dtype, q=q, k=k, v=v, o=o)
         assert lse_ptr % 16 == 0
         lse = self._lse(p, lse_ptr)
+        keep_all = self._keep(p)
         for b, (sq, sk, lse_b) in enumerate(self._sequences(p, lse)):
-            keep = self._keep(p, b, Q[sq].shape[1], K[sk].shape[1])
+            keep = self._sequence_keep(p, keep_all, b, Q[sq].shape[1], K[sk].shape[1])
             if K[sk].shape[1] == 0:  # a sequence without keys: its rows see none
                 Out[sq].zero_()
                 lse_b.fill_(float("inf"))
@@ -127,13 +128,14 @@ class FakeC:
         lse = self._lse(p, lse_ptr)
         # The CUDA caching allocator gives 512-byte alignment; the CPU allocator 64 bytes.
         assert workspace_ptr % 64 == 0 and workspace_ptr != 0, "workspace must be aligned"
+        keep_all = self._keep(p)
         for b, (sq, sk, lse_b) in enumerate(self._sequences(p, lse)):
             if K[sk].shape[1] == 0 or Q[sq].shape[1] == 0:  # nothing attends: zero gradients
                 dQ[sq].zero_()
                 dK[sk].zero_()
                 dV[sk].zero_()
                 continue
-            keep = self._keep(p, b, Q[sq].shape[1], K[sk].shape[1])
+            keep = self._sequence_keep(p, keep_all, b, Q[sq].shape[1], K[sk].shape[1])
             gq, gk, gv = self._grads(p, Q[sq], K[sk], V[sk], O[sq], dO[sq], lse_b, self._slopes(p, b), keep)
             dQ[sq].copy_(gq)
             dK[sk].copy_(gk)
@@ -148,16 +150,20 @@ class FakeC:
         slopes = _raw(p["alibi_slopes"], (B, H), (p["alibi_batch_stride"], 1), torch.float32, self.device)
         return slopes[sequence:sequence + 1] if p["cu_seqlens_q"] else slopes
 
-    def _keep(self, p, sequence, seqlen_q, seqlen_k):
-        """Dropout's mask of a sequence (the whole batch when dense) as the kernels draw it, from
-        the rng_state they read; None when off."""
+    def _keep(self, p):
+        """Dropout's mask of the call, (batch, nheads, seqlen_q, seqlen_k) (the longest lengths
+        when packed), as the kernels draw it from the rng_state they read; None when off."""
         if not p["dropout_p"]:
             return None
         rng_state = _raw(p["rng_state"], (2,), (1,), torch.int64, self.device)
-        keep = keep_mask(rng_state, p["batch"], p["nheads"], p["seqlen_q"], p["seqlen_k"], p["dropout_p"])
-        if p["cu_seqlens_q"]:
-            return keep[sequence:sequence + 1, :, :seqlen_q, :seqlen_k]
-        return keep
+        return keep_mask(rng_state, p["batch"], p["nheads"], p["seqlen_q"], p["seqlen_k"], p["dropout_p"])
+
+    @staticmethod
+    def _sequence_keep(p, keep, sequence, seqlen_q, seqlen_k):
+        """A sequence's corner of the call's mask (all of it when dense)."""
+        if keep is None or not p["cu_seqlens_q"]:
+            return keep
+        return keep[sequence:sequence + 1, :, :seqlen_q, :seqlen_k]
 
     @staticmethod
     def _grads(p, Q, K, V, O, dO, lse, slopes=None, keep=None):
