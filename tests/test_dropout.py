@@ -169,8 +169,16 @@ def test_lowlevel_pair_passes_rng_state(fake_backend):
         assert_within_tolerance(name, ours, pt, r)
     with pytest.raises(ValueError, match="needs the forward's rng_state"):
         _flash_attn_backward(dout, q, k, v, out, lse, dq, dk, dv, 0.2, None, False)
-    with pytest.raises(ValueError, match="int64 tensor of shape \\(2,\\)"):
-        _flash_attn_backward(dout, q, k, v, out, lse, dq, dk, dv, 0.2, None, False,
-                             rng_state=rng_state.float())
+    bad_states = [
+        (rng_state.float(), "int64 tensor of shape \\(2,\\)"),
+        (torch.zeros(3, dtype=torch.int64), "int64 tensor of shape \\(2,\\)"),
+        (rng_state.to("meta"), "must be on q's device"),
+        (torch.zeros(3, dtype=torch.int64)[1:], "16-byte aligned"),
+    ]
+    for bad, message in bad_states:
+        with pytest.raises(ValueError, match=message):
+            _flash_attn_backward(dout, q, k, v, out, lse, dq, dk, dv, 0.2, None, False, rng_state=bad)
+    with pytest.raises(TypeError, match="rng_state must be a torch.Tensor"):
+        _flash_attn_backward(dout, q, k, v, out, lse, dq, dk, dv, 0.2, None, False, rng_state=[1, 2])
     _, _, _, empty = _flash_attn_forward(q, k, v, 0.0, None, False)
     assert empty.numel() == 0
