@@ -49,25 +49,26 @@ struct FwdEpilogue {
     }
   }
 
-  // Variable-length batches: O from registers with a row predicate, since a TMA store of the
-  // 64-row slab would write the next sequence's first rows (clipped only at the tensor's end).
-  template <typename Params, typename AccO>
-  __device__ __forceinline__ static void store_rows(const Params& params, const TileCoord& tile, const AccO& acc_o,
-                                                    int wg, int tid) {
+  // A variable-length sequence's last slab (fewer than 64 rows), from shared memory: the TMA unit
+  // clips only at the packed tensor's end and would write the next sequence's first rows, so the
+  // warpgroup copies the rows it owns in 16-byte stores. (Stored from the accumulators instead,
+  // 2 bytes and 8 rows per warp instruction, every slab of a varlen batch cost the forward 4-14%:
+  // PERFLOG 45.) Not unrolled: unrolled, the dropout kernel at d = 64 spilled 312 B.
+  template <typename Params>
+  __device__ __forceinline__ static void store_partial_slab(const Params& params, const Element* slab, const TileCoord& tile,
+                                                         int wg, int tid) {
     const AttnProblem& p = params.problem;
+    constexpr int kChunks = kHeadDim * int(sizeof(Element)) / 16;  // 16-byte chunks per row
     const SeqInfo seq(p, tile.batch);
     const int first_row = tile.block * kBlockM + wg * 64;
     const int rows_left = seq.seqlen_q - first_row;
-    typename Traits::TiledMmaPV mma_pv;
-    auto thr = mma_pv.get_thread_slice(tid);
+    Tensor sO = make_tensor(make_smem_ptr(slab), typename Traits::SmemLayoutSlab{});
     Element* o = seq.q_rows<Element>(p, params.o, tile.head) + int64_t(first_row) * params.o.row_stride;
-    Tensor tOgO = thr.partition_C(make_tensor(make_gmem_ptr(o), make_shape(_64{}, Int<kHeadDim>{}),
-                                              make_stride(params.o.row_stride, _1{})));
-    Tensor tOcO = thr.partition_C(make_identity_tensor(Shape<_64, Int<kHeadDim>>{}));
-    Tensor rO = convert_type<Element>(acc_o);
-    CUTE_UNROLL
-    for (int i = 0; i < size(rO); ++i) {
-      if (get<0>(tOcO(i)) < rows_left) tOgO(i) = rO(i);
+#pragma unroll 1
+    for (int i = tid; i < 64 * kChunks; i += 128) {
+      const int row = i / kChunks, col = i % kChunks * 8;
+      if (row < rows_left)
+        *reinterpret_cast<uint4*>(o + int64_t(row) * params.o.row_stride + col) = *reinterpret_cast<const uint4*>(&sO(row, col));
     }
   }
 
@@ -79,15 +80,6 @@ struct FwdEpilogue {
     const AttnProblem& p = params.problem;
     const bool leader = tid == 0;
     const int barrier = int(FwdBarrier::kEpilogueWG1) + wg;
-    if (p.is_varlen()) {
-      store_rows(params, tile, acc_o, wg, tid);
-      store_lse(params, tile, lse, wg, tid);
-      if constexpr (Traits::kOAliasesQ) {  // as below, without the slab: Q is free
-        cutlass::arch::NamedBarrier::sync(128, barrier);
-        shared.q_empty.arrive();
-      }
-      return;
-    }
     typename Traits::TiledMmaPV mma_pv;
     auto copy_o = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_pv);
     auto thr_copy = copy_o.get_thread_slice(tid);
@@ -103,16 +95,32 @@ struct FwdEpilogue {
     }
     cutlass::arch::NamedBarrier::sync(128, barrier);
     copy(copy_o, tOrO, tOsO);
-    cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read next by TMA
-    cutlass::arch::NamedBarrier::sync(128, barrier);
-    if (leader) {
-      Tensor mO = params.tma_o.get_tma_tensor(make_shape(p.seqlen_q, p.head_dim, p.nheads, p.batch));
-      Tensor gO = local_tile(mO(_, _, tile.head, tile.batch), Shape<_64, Int<kHeadDim>>{},
-                             make_coord(tile.block * Traits::kNMmaWarpGroups + wg, _0{}));
-      auto [tOgO, tOsSlab] = tma_partition(params.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO), group_modes<0, 2>(gO));
-      copy(params.tma_o, tOsSlab, tOgO);  // rows past seqlen_q are clipped by the TMA unit
-      tma_store_arrive();
-      if constexpr (Traits::kOAliasesQ) tma_store_wait<0>();
+    const bool partial = p.is_varlen() && SeqInfo(p, tile.batch).seqlen_q - (tile.block * kBlockM + wg * 64) < 64;
+    if (!partial) {
+      cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read next by TMA
+      cutlass::arch::NamedBarrier::sync(128, barrier);
+      if (leader) {
+        // Dense: rows past seqlen_q are clipped by the TMA unit. Varlen: only at the packed
+        // tensor's end, so a sequence's last, partial slab is copied by the threads instead.
+        auto store_slab = [&](auto mO) {
+          Tensor gO = local_tile(mO, Shape<_64, Int<kHeadDim>>{}, make_coord(tile.block * Traits::kNMmaWarpGroups + wg, _0{}));
+          auto [tOgO, tOsSlab] = tma_partition(params.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO), group_modes<0, 2>(gO));
+          copy(params.tma_o, tOsSlab, tOgO);
+        };
+        if (p.is_varlen())
+          store_slab(sequence_rows<true>(params.tma_o, p, SeqInfo(p, tile.batch), tile.head));
+        else
+          store_slab(params.tma_o.get_tma_tensor(make_shape(p.seqlen_q, p.head_dim, p.nheads, p.batch))(_, _, tile.head, tile.batch));
+        tma_store_arrive();
+        if constexpr (Traits::kOAliasesQ) tma_store_wait<0>();
+      }
+    } else {
+      cutlass::arch::NamedBarrier::sync(128, barrier);
+      store_partial_slab(params, smem_o(shared) + wg * Traits::kSlabElems, tile, wg, tid);
+      if constexpr (!Traits::kOAliasesQ) {
+        // The next tile's stmatrix may overwrite the slab once every thread has read it.
+        cutlass::arch::NamedBarrier::sync(128, barrier);
+      }
     }
     store_lse(params, tile, lse, wg, tid);
     if constexpr (Traits::kOAliasesQ) {
