@@ -1,7 +1,7 @@
 // Backward preprocess, shared by every kernel family: per query row, D = rowsum(dO * O) and the
 // log-sum-exp scaled to log2; the fp32 dQ accumulator zeroed, and the dQ semaphores when
 // deterministic. A row is read by a group of kThreadsPerRow threads, 8 elements (16 bytes) each,
-// and a block's loads are all issued before any reduction: with one warp per row and one row at a
+// several rows' loads in flight per thread: with one warp per row and one row at a
 // time (16 lanes busy at d = 128, 8 at d = 64) the kernel took 115 us at d = 64 (16k tokens x
 // 2048, H100) against FlashAttention-3's 92 us (PERFLOG 45). Rows past seqlen_q (up to the
 // workspace's rounded row count) get D = 0 and LSE = +inf, so P = exp2(S - LSE) = 0 there.
@@ -51,12 +51,6 @@ __global__ void __launch_bounds__(BwdPreprocess::kWarps * 32) bwd_preprocess_ker
     for (int g = 0; g < ws.dq_groups; ++g)
       sem[(g * ws.rows + bh_row + blockIdx.x * kRows) / kBwdSemaphoreRows + threadIdx.x] = 0;
   }
-  // The block's dQ accumulator rows are contiguous in each group: zeroed with float4 stores.
-  for (int g = 0; g < ws.dq_groups; ++g) {
-    float4* dq_rows = reinterpret_cast<float4*>(dq_accum + (g * ws.rows + bh_row + blockIdx.x * kRows) * kHeadDim);
-    CUTE_UNROLL
-    for (int i = threadIdx.x; i < kRows * kHeadDim / 4; i += kThreads) dq_rows[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-  }
   // kThreadsPerRow: the row's 16-byte chunks rounded up to a power of two (d = 96: 12 of 16
   // threads load, d = 192: 24 of 32), so the group's shuffle reduction stays inside the group.
   constexpr int kChunks = kHeadDim / 8;
@@ -64,29 +58,46 @@ __global__ void __launch_bounds__(BwdPreprocess::kWarps * 32) bwd_preprocess_ker
   static_assert(kChunks <= 32, "one 16-byte chunk per thread and row");
   constexpr int kRowsPerPass = kThreads / kThreadsPerRow, kPasses = kRows / kRowsPerPass;
   const int chunk = threadIdx.x % kThreadsPerRow, row0 = blockIdx.x * kRows + threadIdx.x / kThreadsPerRow;
-  uint4 ov[kPasses], dv[kPasses];
+  // Passes go in batches of kBatch, each batch's loads issued before its reductions: with every
+  // pass in flight at once the kernel took 84 registers at d = 128 and 153 at d = 256 (one block
+  // of 256 threads per SM); 2 passes a thread keep about 6 blocks resident.
+  constexpr int kBatch = kPasses < 2 ? kPasses : 2;
+  static_assert(kPasses % kBatch == 0);
   CUTE_UNROLL
-  for (int i = 0; i < kPasses; ++i) {
-    const int row = row0 + i * kRowsPerPass;
-    ov[i] = dv[i] = make_uint4(0, 0, 0, 0);
-    if (row < seq.seqlen_q && chunk < kChunks) {
-      ov[i] = *reinterpret_cast<const uint4*>(o + row * params.o.row_stride + chunk * 8);
-      dv[i] = *reinterpret_cast<const uint4*>(dout + row * params.dout.row_stride + chunk * 8);
+  for (int b = 0; b < kPasses; b += kBatch) {
+    uint4 ov[kBatch], dv[kBatch];
+    CUTE_UNROLL
+    for (int i = 0; i < kBatch; ++i) {
+      const int row = row0 + (b + i) * kRowsPerPass;
+      ov[i] = dv[i] = make_uint4(0, 0, 0, 0);
+      if (row < seq.seqlen_q && chunk < kChunks) {
+        ov[i] = *reinterpret_cast<const uint4*>(o + row * params.o.row_stride + chunk * 8);
+        dv[i] = *reinterpret_cast<const uint4*>(dout + row * params.dout.row_stride + chunk * 8);
+      }
     }
-  }
-  CUTE_UNROLL
-  for (int i = 0; i < kPasses; ++i) {
-    const int row = row0 + i * kRowsPerPass;
-    const Element* oe = reinterpret_cast<const Element*>(&ov[i]);
-    const Element* de = reinterpret_cast<const Element*>(&dv[i]);
-    float acc = 0.f;
+    if (b == 0) {
+      // The block's dQ accumulator rows are contiguous in each group: zeroed with float4 stores
+      // while the first loads are in flight.
+      for (int g = 0; g < ws.dq_groups; ++g) {
+        float4* dq_rows = reinterpret_cast<float4*>(dq_accum + (g * ws.rows + bh_row + blockIdx.x * kRows) * kHeadDim);
+        CUTE_UNROLL
+        for (int i = threadIdx.x; i < kRows * kHeadDim / 4; i += kThreads) dq_rows[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    }
     CUTE_UNROLL
-    for (int e = 0; e < 8; ++e) acc += float(oe[e]) * float(de[e]);
-    CUTE_UNROLL
-    for (int offset = kThreadsPerRow / 2; offset > 0; offset /= 2) acc += __shfl_xor_sync(0xffffffff, acc, offset);
-    if (chunk == 0) {
-      dpsum[bh_row + row] = acc;
-      lse_log2[bh_row + row] = row < seq.seqlen_q ? lse[row] * float(M_LOG2E) : INFINITY;
+    for (int i = 0; i < kBatch; ++i) {
+      const int row = row0 + (b + i) * kRowsPerPass;
+      const Element* oe = reinterpret_cast<const Element*>(&ov[i]);
+      const Element* de = reinterpret_cast<const Element*>(&dv[i]);
+      float acc = 0.f;
+      CUTE_UNROLL
+      for (int e = 0; e < 8; ++e) acc += float(oe[e]) * float(de[e]);
+      CUTE_UNROLL
+      for (int offset = kThreadsPerRow / 2; offset > 0; offset /= 2) acc += __shfl_xor_sync(0xffffffff, acc, offset);
+      if (chunk == 0) {
+        dpsum[bh_row + row] = acc;
+        lse_log2[bh_row + row] = row < seq.seqlen_q ? lse[row] * float(M_LOG2E) : INFINITY;
+      }
     }
   }
 }

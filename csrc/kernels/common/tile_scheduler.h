@@ -49,7 +49,6 @@ struct PersistentTileScheduler {
   bool longest_first;
   int group;  // (head, batch) pairs per group when longest_first
 
-  PersistentTileScheduler() = default;
   __host__ __device__ PersistentTileScheduler(int num_blocks_, int nheads_, int batch, bool longest_first_,
                                               int group_ = 1)
       : num_blocks(num_blocks_), nheads(nheads_), num_tiles(num_blocks_ * nheads_ * batch),
@@ -76,37 +75,6 @@ struct PersistentTileScheduler {
     const int hb = tile / num_blocks;
     return {tile % num_blocks, hb % nheads, hb / nheads};
   }
-};
-
-// One block per tile on a 1-D grid, in a PersistentTileScheduler order: the sm90 backward, whose
-// blocks start in launch order, so the order's longest-first groups need no claim counter.
-// Under a causal mask the backward's key block 0 sees the most queries: the kernel reads the
-// order's block index reversed (OrderedGridScheduler::get). Before, key blocks were the fastest
-// grid index: the last (head, batch) pair's longest block started last and ran alone (d = 128,
-// 8k tokens: 128 steps against about 1000 per SM, PERFLOG 45).
-struct OrderedGridScheduler {
-  // L2 bytes the blocks in flight re-read: each key block of a (kv head, batch) pair streams the
-  // pair's Q, dO and fp32 dQ accumulator, so a group holds the pairs whose streams fit in 40 MiB
-  // (of the H100's 50 MiB of L2, the rest left to K/V, LSE and D).
-  static constexpr int64_t kL2Bytes = int64_t(40) << 20;
-
-  static PersistentTileScheduler order(int num_blocks, int nheads_kv, int batch, bool longest_first,
-                                       int64_t bytes_per_pair) {
-    const int pairs = nheads_kv * batch;
-    const int64_t fit = bytes_per_pair > 0 ? kL2Bytes / bytes_per_pair : pairs;
-    const int group = fit < 1 ? 1 : fit > pairs ? pairs : int(fit);
-    return PersistentTileScheduler(num_blocks, nheads_kv, batch, longest_first, group);
-  }
-
-  static dim3 grid(const PersistentTileScheduler& order) { return dim3(unsigned(order.num_tiles)); }
-
-  __host__ __device__ static TileCoord coord(const PersistentTileScheduler& order, int tile) {
-    TileCoord c = order.coord(tile);
-    if (order.longest_first) c.block = order.num_blocks - 1 - c.block;
-    return c;
-  }
-
-  __device__ static TileCoord get(const PersistentTileScheduler& order) { return coord(order, int(blockIdx.x)); }
 };
 
 }  // namespace cutlass_flash

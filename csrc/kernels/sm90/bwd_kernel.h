@@ -33,10 +33,9 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
 
   const AttnProblem& p = params.problem;
   const int warp_group = cutlass::canonical_warp_group_idx();
-  // Under a causal mask the lowest key blocks see the most queries and start first; deterministic
-  // mode relies on a pair's lower key blocks starting first (common/dq_semaphore.h), which both
-  // of the scheduler's orders keep.
-  const TileCoord tile = Scheduler::get(params.order);
+  // Key blocks in blockIdx.x: under a causal mask the first ones see the most queries and start
+  // first; deterministic mode relies on lower key blocks starting first (common/dq_semaphore.h).
+  const TileCoord tile = Scheduler::get(/*longest_first=*/false);
   const int n_block = tile.block, head_kv = tile.head;
   // Built after each role's setmaxnreg: values live across it are spilled (forward, entry 16).
   // The mask is the sequence's (variable-length batches: per-sequence lengths, SeqInfo); a key

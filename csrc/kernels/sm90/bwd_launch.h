@@ -62,12 +62,6 @@ BwdKernelParams<Traits> bwd_kernel_params(const BwdParams& params) {
   kp.rows_per_head = ws.rows_per_head;
   kp.dq_group_rows = ws.rows;
   kp.dq_groups = ws.dq_groups;
-  const AttnProblem& p = params.problem;
-  const int64_t bytes_per_pair = int64_t(p.nheads / p.nheads_kv) * p.seqlen_q * Traits::kHeadDim *
-                                 (2 * int64_t(sizeof(typename Traits::Element)) + int64_t(sizeof(float)));
-  // A causal mask (a right window bound) takes the longest key blocks first, as the forward's order.
-  kp.order = OrderedGridScheduler::order(ceil_div(p.seqlen_k, Traits::kBlockN), p.nheads_kv, p.batch,
-                                         /*longest_first=*/p.window_right >= 0, bytes_per_pair);
   return kp;
 }
 
@@ -84,9 +78,10 @@ Status run_bwd_mainloop(const BwdParams& params, cudaStream_t stream) {
   if (Status s = cuda_status(cudaGetLastError(), "sm90 backward preprocess launch"); !s.ok()) return s;
 
   const BwdKernelParams<Traits> kp = bwd_kernel_params<Traits>(params);
-  constexpr auto kernel = bwd_kernel<Mainloop, BwdEpilogue<Traits>, OrderedGridScheduler>;
+  constexpr auto kernel = bwd_kernel<Mainloop, BwdEpilogue<Traits>, GridTileScheduler>;
   if (Status s = ensure_smem_limit<kernel>(Traits::kSmemBytes); !s.ok()) return s;
-  kernel<<<OrderedGridScheduler::grid(kp.order), Traits::kNThreads, Traits::kSmemBytes, stream>>>(kp);
+  const dim3 grid = GridTileScheduler::grid(ceil_div(p.seqlen_k, Traits::kBlockN), p.nheads_kv, p.batch);
+  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(kp);
   if (Status s = cuda_status(cudaGetLastError(), "sm90 backward launch"); !s.ok()) return s;
 
   const dim3 q_grid(ceil_div(p.seqlen_q, Traits::kBlockM), p.nheads, p.batch);

@@ -17,7 +17,6 @@
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
 #include "cutlass_flash/params.h"
-#include "kernels/common/tile_scheduler.h"
 #include "kernels/sm90/utils.h"
 
 namespace cutlass_flash::sm90 {
@@ -239,7 +238,6 @@ struct BwdKernelParams {
   int64_t rows_per_head;  // BwdWorkspace::rows_per_head
   int64_t dq_group_rows;  // BwdWorkspace::rows: the row offset between dQ groups' copies
   int dq_groups;          // BwdWorkspace::dq_groups (1 unless deterministic)
-  PersistentTileScheduler order;  // the grid's tile order (OrderedGridScheduler)
   typename Traits::TmaQ tma_q;
   typename Traits::TmaQ tma_do;
   typename Traits::TmaKV tma_k;
