@@ -22,30 +22,46 @@ struct BwdEpilogue {
   using Element = typename Traits::Element;
   static constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
 
-  // Writes one (kBlockN, d) accumulator of consumer thread `tid` to rows [n_block * kBlockN, ...)
-  // of `out` (sequence seq, head_kv), rows past its seqlen_k left alone. Once per block, after the
-  // whole query loop: direct stores, no staging.
+  // Writes one (kBlockN, d) accumulator of consumer thread `tid` (scaled by `scale`) to rows
+  // [n_block * kBlockN, ...) of `out` (sequence seq, head_kv), rows past its seqlen_k left alone.
+  // Once per block, after the whole query loop: staged in V's shared tile, then written in 16-byte
+  // row stores. Keys-per-warpgroup layout: each warpgroup alone reads its 64 rows of V, so it
+  // stages and writes those rows on its own; split-d layout: both read all of V, so all consumers
+  // stage (each its column half) and write together. Stored straight from the accumulators
+  // (4 bytes, 8 rows per warp instruction), d = 128 backward ran 7-10% slower at 1k-2k tokens
+  // (PERFLOG 46).
   template <typename Acc>
   __device__ static void store(const AttnProblem& p, const TensorRef4& out, const Acc& acc, float scale,
-                               const SeqInfo& seq, int head_kv, int n_block, int tid) {
-    const int seqlen_k = seq.seqlen_k;
+                               const SeqInfo& seq, int head_kv, int n_block, int tid, Element* smem_v) {
+    constexpr bool kOwnRows = Traits::kOwnVRows;
+    constexpr int kThreads = kOwnRows ? 128 : Traits::kNMmaThreads;  // threads that stage together
+    constexpr int kRows = kOwnRows ? 64 : kBlockN;                     // and the rows they write
+    constexpr int kChunks = kHeadDim * int(sizeof(Element)) / 16;      // 16-byte chunks per row
+    static_assert(kRows * kChunks % kThreads == 0);
+    const int group = tid / kThreads;
+    const int barrier = kOwnRows ? int(BwdBarrier::kEpilogueWG1) + group : int(BwdBarrier::kEpilogue);
     typename Traits::TiledMmadKV mma_dkv;
-    auto thr = mma_dkv.get_thread_slice(tid);
     Tensor scaled = make_tensor_like(acc);
     CUTE_UNROLL
     for (int i = 0; i < size(acc); ++i) scaled(i) = acc(i) * scale;
     Tensor r = convert_type<Element>(scaled);
-    Element* base = seq.k_rows<Element>(p, out, head_kv) + int64_t(n_block) * kBlockN * out.row_stride;
-    Tensor g = make_tensor(make_gmem_ptr(base), make_shape(Int<kBlockN>{}, Int<kHeadDim>{}), make_stride(out.row_stride, _1{}));
-    Tensor tg = thr.partition_C(g);
-    Tensor tc = thr.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-    const int rows_left = seqlen_k - n_block * kBlockN;
-    // Accumulator pairs are two consecutive columns: one 4-byte store each.
+    Tensor sV = make_tensor(make_smem_ptr(smem_v), typename Traits::SmemLayoutKV{});
+    Tensor ts = mma_dkv.get_thread_slice(tid).partition_C(sV);
+    // Every thread of the group is past its last read of V (and of the previous call's staging).
+    cutlass::arch::NamedBarrier::sync(kThreads, barrier);
+    // Accumulator pairs are two consecutive columns: one 4-byte shared store each.
     static_assert(decltype(size<0, 0>(r))::value == 2);
     CUTE_UNROLL
-    for (int i = 0; i < size(r); i += 2) {
-      if (get<0>(tc(i)) < rows_left)
-        *reinterpret_cast<uint32_t*>(&tg(i)) = uint32_t(r(i).raw()) | uint32_t(r(i + 1).raw()) << 16;
+    for (int i = 0; i < size(r); i += 2)
+      *reinterpret_cast<uint32_t*>(&ts(i)) = uint32_t(r(i).raw()) | uint32_t(r(i + 1).raw()) << 16;
+    cutlass::arch::NamedBarrier::sync(kThreads, barrier);
+    Element* base = seq.k_rows<Element>(p, out, head_kv) + int64_t(n_block) * kBlockN * out.row_stride;
+    const int rows_left = seq.seqlen_k - n_block * kBlockN;
+    CUTE_UNROLL
+    for (int k = 0; k < kRows * kChunks / kThreads; ++k) {
+      const int i = tid % kThreads + kThreads * k, row = kRows * group + i / kChunks, col = i % kChunks * 8;
+      if (row < rows_left)
+        *reinterpret_cast<uint4*>(base + int64_t(row) * out.row_stride + col) = *reinterpret_cast<const uint4*>(&sV(row, col));
     }
   }
 };
@@ -109,9 +125,10 @@ __global__ void __launch_bounds__(Traits::kNMmaThreads) bwd_convert_dq_kernel(co
   __syncthreads();
   const int rows_left = seq.seqlen_q - m_block * kBlockM;
   Element* dq = seq.q_rows<Element>(p, params.dq, head) + int64_t(m_block) * kBlockM * params.dq.row_stride;
+  static_assert(kBlockM * kChunksPerRow % kThreads == 0);
   CUTE_UNROLL
-  for (int c = tid; c < kBlockM * kChunksPerRow; c += kThreads) {
-    const int row = c / kChunksPerRow, col = c % kChunksPerRow * 8;
+  for (int k = 0; k < kBlockM * kChunksPerRow / kThreads; ++k) {
+    const int c = tid + kThreads * k, row = c / kChunksPerRow, col = c % kChunksPerRow * 8;
     if (row < rows_left)
       *reinterpret_cast<uint4*>(dq + int64_t(row) * params.dq.row_stride + col) =
           *reinterpret_cast<const uint4*>(smem + row * kPitch + col);

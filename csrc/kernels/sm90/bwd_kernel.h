@@ -106,8 +106,8 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
     clear(acc_dv);
     if (steps.count() > 0) Mainloop::mma(params, shared, pipeline_q, pipeline_do, steps, mask, n_block, tid, acc_dk, acc_dv);
     const SeqInfo seq(p, tile.batch);
-    Epilogue::store(p, params.dk, acc_dk, p.softmax_scale, seq, head_kv, n_block, tid);
-    Epilogue::store(p, params.dv, acc_dv, Dropout::keep_scale(p), seq, head_kv, n_block, tid);
+    Epilogue::store(p, params.dk, acc_dk, p.softmax_scale, seq, head_kv, n_block, tid, shared.v.data());
+    Epilogue::store(p, params.dv, acc_dv, Dropout::keep_scale(p), seq, head_kv, n_block, tid, shared.v.data());
   }
 }
 

@@ -118,6 +118,8 @@ struct BwdTraits : BwdTraitsBase<kHeadDim_, kBlockM_, 64 * kNMmaWarpGroups_, kNM
   using Base::kStages;
   static_assert(kBlockM % 64 == 0 && kHeadDim % (16 * kNMmaWarpGroups) == 0);
   static constexpr bool kDqThread = true;
+  // Warpgroup w alone reads V's rows [64 w, 64 w + 64) (dP^T): free for its epilogue's staging.
+  static constexpr bool kOwnVRows = true;
 
   // S^T = K Q^T and dP^T = V dO^T: (M = keys, N = queries, K = d), both operands K-major.
   using TiledMmaSdP = decltype(make_tiled_mma(
@@ -184,6 +186,7 @@ struct BwdTraitsSplitD : BwdTraitsBase<kHeadDim_, kBlockM_, 64, 2, kStages_, kHe
   using Base::kStages;
   static_assert(kBlockM == 64 && kHeadDim % 64 == 0);
   static constexpr bool kDqThread = false;
+  static constexpr bool kOwnVRows = false;  // both warpgroups read all of V (dP^T split by queries)
 
   // S^T = K Q^T and dP^T = V dO^T: (M = keys, N = queries, K = d); warpgroup w takes queries
   // [w kBlockM / 2, (w + 1) kBlockM / 2).
@@ -224,6 +227,8 @@ struct BwdTraitsSplitD : BwdTraitsBase<kHeadDim_, kBlockM_, 64, 2, kStages_, kHe
 enum class BwdBarrier : int {
   kdSReady = 0,  // every warpgroup's dS^T (and P^T) of the step is in shared memory
   kdQTurn = 1,   // split-d layout, deterministic: the block's turn to add dQ / its additions done
+  kEpilogue = 2,     // split-d layout: both warpgroups' dK/dV staging in V's tile
+  kEpilogueWG1 = 3,  // + warpgroup index, keys-per-warpgroup layout: one warpgroup's staging
 };
 
 // Kernel parameters: the library's plain BwdParams plus the TMA descriptors built from them.
