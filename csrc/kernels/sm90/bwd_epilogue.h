@@ -1,5 +1,6 @@
 // sm90 backward epilogue: dK (scaled by softmax_scale) and dV of the block's keys from the
-// consumers' registers to the caller's tensors, and the dQ postprocess (fp32 workspace -> dq).
+// consumers' registers, staged in V's shared tile, to the caller's tensors; and the dQ postprocess
+// (fp32 workspace -> dq, staged in shared memory).
 #pragma once
 
 #include <cute/tensor.hpp>
