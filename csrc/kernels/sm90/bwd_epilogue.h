@@ -37,8 +37,6 @@ struct BwdEpilogue {
     constexpr bool kOwnRows = Traits::kOwnVRows;
     constexpr int kThreads = kOwnRows ? 128 : Traits::kNMmaThreads;  // threads that stage together
     constexpr int kRows = kOwnRows ? 64 : kBlockN;                     // and the rows they write
-    constexpr int kChunks = kHeadDim * int(sizeof(Element)) / 16;      // 16-byte chunks per row
-    static_assert(kRows * kChunks % kThreads == 0);
     const int group = tid / kThreads;
     const int barrier = kOwnRows ? int(BwdBarrier::kEpilogueWG1) + group : int(BwdBarrier::kEpilogue);
     typename Traits::TiledMmadKV mma_dkv;
@@ -47,23 +45,13 @@ struct BwdEpilogue {
     for (int i = 0; i < size(acc); ++i) scaled(i) = acc(i) * scale;
     Tensor r = convert_type<Element>(scaled);
     Tensor sV = make_tensor(make_smem_ptr(smem_v), typename Traits::SmemLayoutKV{});
-    Tensor ts = mma_dkv.get_thread_slice(tid).partition_C(sV);
     // Every thread of the group is past its last read of V (and of the previous call's staging).
     cutlass::arch::NamedBarrier::sync(kThreads, barrier);
-    // Accumulator pairs are two consecutive columns: one 4-byte shared store each.
-    static_assert(decltype(size<0, 0>(r))::value == 2);
-    CUTE_UNROLL
-    for (int i = 0; i < size(r); i += 2)
-      *reinterpret_cast<uint32_t*>(&ts(i)) = uint32_t(r(i).raw()) | uint32_t(r(i + 1).raw()) << 16;
+    store_pairs(r, mma_dkv.get_thread_slice(tid).partition_C(sV));
     cutlass::arch::NamedBarrier::sync(kThreads, barrier);
     Element* base = seq.k_rows<Element>(p, out, head_kv) + int64_t(n_block) * kBlockN * out.row_stride;
-    const int rows_left = seq.seqlen_k - n_block * kBlockN;
-    CUTE_UNROLL
-    for (int k = 0; k < kRows * kChunks / kThreads; ++k) {
-      const int i = tid % kThreads + kThreads * k, row = kRows * group + i / kChunks, col = i % kChunks * 8;
-      if (row < rows_left)
-        *reinterpret_cast<uint4*>(base + int64_t(row) * out.row_stride + col) = *reinterpret_cast<const uint4*>(&sV(row, col));
-    }
+    store_rows_16b<kRows, kHeadDim, kThreads>(sV, kRows * group, base, out.row_stride, seq.seqlen_k - n_block * kBlockN,
+                                              tid % kThreads);
   }
 };
 
@@ -80,7 +68,6 @@ __global__ void __launch_bounds__(Traits::kNMmaThreads) bwd_convert_dq_kernel(co
   // 16 bytes of padding per row: the accumulator layout's 8 rows per store instruction then fall
   // in different banks (row pitch kHeadDim * 2 + 16 bytes), and each row stays 16-byte aligned.
   constexpr int kPitch = kHeadDim + 16 / int(sizeof(Element));
-  constexpr int kChunksPerRow = kHeadDim * int(sizeof(Element)) / 16;
   __shared__ alignas(16) Element smem[kBlockM * kPitch];
   const AttnProblem& p = params.problem;
   const BwdWorkspace ws = bwd_workspace_layout(p, params.deterministic);
@@ -117,23 +104,10 @@ __global__ void __launch_bounds__(Traits::kNMmaThreads) bwd_convert_dq_kernel(co
   for (int i = 0; i < size(acc); ++i) acc(i) *= p.softmax_scale;
   Tensor r = convert_type<Element>(acc);
   Tensor sdq = make_tensor(make_smem_ptr(smem), Shape<Int<kBlockM>, Int<kHeadDim>>{}, Stride<Int<kPitch>, _1>{});
-  Tensor ts = thr.partition_C(sdq);
-  // Accumulator pairs are two consecutive columns: one 4-byte shared store each.
-  static_assert(decltype(size<0, 0>(r))::value == 2);
-  CUTE_UNROLL
-  for (int i = 0; i < size(r); i += 2)
-    *reinterpret_cast<uint32_t*>(&ts(i)) = uint32_t(r(i).raw()) | uint32_t(r(i + 1).raw()) << 16;
+  store_pairs(r, thr.partition_C(sdq));
   __syncthreads();
-  const int rows_left = seq.seqlen_q - m_block * kBlockM;
   Element* dq = seq.q_rows<Element>(p, params.dq, head) + int64_t(m_block) * kBlockM * params.dq.row_stride;
-  static_assert(kBlockM * kChunksPerRow % kThreads == 0);
-  CUTE_UNROLL
-  for (int k = 0; k < kBlockM * kChunksPerRow / kThreads; ++k) {
-    const int c = tid + kThreads * k, row = c / kChunksPerRow, col = c % kChunksPerRow * 8;
-    if (row < rows_left)
-      *reinterpret_cast<uint4*>(dq + int64_t(row) * params.dq.row_stride + col) =
-          *reinterpret_cast<const uint4*>(smem + row * kPitch + col);
-  }
+  store_rows_16b<kBlockM, kHeadDim, kThreads>(sdq, 0, dq, params.dq.row_stride, seq.seqlen_q - m_block * kBlockM, tid);
 }
 
 }  // namespace cutlass_flash::sm90

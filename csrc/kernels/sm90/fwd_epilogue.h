@@ -58,18 +58,11 @@ struct FwdEpilogue {
   __device__ __forceinline__ static void store_partial_slab(const Params& params, const Element* slab, const TileCoord& tile,
                                                          int wg, int tid) {
     const AttnProblem& p = params.problem;
-    constexpr int kChunks = kHeadDim * int(sizeof(Element)) / 16;  // 16-byte chunks per row
     const SeqInfo seq(p, tile.batch);
     const int first_row = tile.block * kBlockM + wg * 64;
-    const int rows_left = seq.seqlen_q - first_row;
     Tensor sO = make_tensor(make_smem_ptr(slab), typename Traits::SmemLayoutSlab{});
     Element* o = seq.q_rows<Element>(p, params.o, tile.head) + int64_t(first_row) * params.o.row_stride;
-#pragma unroll 1
-    for (int i = tid; i < 64 * kChunks; i += 128) {
-      const int row = i / kChunks, col = i % kChunks * 8;
-      if (row < rows_left)
-        *reinterpret_cast<uint4*>(o + int64_t(row) * params.o.row_stride + col) = *reinterpret_cast<const uint4*>(&sO(row, col));
-    }
+    store_rows_16b<64, kHeadDim, 128, /*kUnroll=*/false>(sO, 0, o, params.o.row_stride, seq.seqlen_q - first_row, tid);
   }
 
   // acc_o: this thread's part of the normalised output of warpgroup wg (fp32); tid: the thread's
