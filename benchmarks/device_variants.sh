@@ -9,7 +9,8 @@
 # "base" is the checkout as it is; NAME is benchmarks/variants/NAME.patch; A+B applies both. Knobs: DIMS (head dims, default 64,128), DTYPES (bf16),
 # ARCHS (90), TESTS (pytest arguments, default: every GPU test of the restricted build), BENCH
 # (extra benchmark arguments, default: backward, 2k and 8k tokens, causal and not, against
-# cuDNN). Needs the nvidia-cutlass wheel under .carry/ (see benchmarks/device_build.sh).
+# cuDNN), PHASES (default "build run": a call of 600 s holds about 3 builds, or 3 variants' tests
+# and timings, so "build" and "run" can go in two calls on the same warm machine). Needs the nvidia-cutlass wheel under .carry/ (see benchmarks/device_build.sh).
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/cutlass_flash_out}
@@ -21,8 +22,10 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH=/tmp/site
 # FlashAttention-3, where benchmarks/device_fa3.sh built it earlier on this machine (an fa3 column).
 if [ -d /tmp/fa3/hopper ]; then export PYTHONPATH=/tmp/fa3/hopper:$PYTHONPATH; fi
+PHASES=${PHASES:-build run}
 root=$(pwd)
 # Output names use _ for + (the device tool returns no file whose name has a +).
+if [[ " $PHASES " == *" build "* ]]; then
 for v in $VARIANTS; do
   rm -rf "/tmp/v$v" && mkdir -p "/tmp/v$v"
   tar -C "$root" --exclude=./build --exclude=./.carry -cf - . | tar -C "/tmp/v$v" -xf -
@@ -34,6 +37,8 @@ for v in $VARIANTS; do
    echo "build $v: rc=$?"; grep -E "nvcc .*spill" "$OUT/build_${v//+/_}.log" | grep -v " 0 B spill") &
 done
 wait
+fi
+[[ " $PHASES " == *" run "* ]] || exit 0
 for v in $VARIANTS; do
   echo "== tests $v"
   (cd "/tmp/v$v" && eval "timeout 300 python3 -m pytest -q -n 6 -rf tests $TESTS" 2>&1 | grep -E "^FAILED|passed|failed" | cut -c1-200)
