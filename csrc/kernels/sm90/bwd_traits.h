@@ -6,7 +6,7 @@
 // wgmma M dimension, FlashAttention-3's "swapAB"), so that P^T and dS^T come out of the
 // accumulators already in the register layout of the A operand of dV += P^T dO and dK += dS^T Q:
 // neither goes through shared memory. dS^T is also stored to shared memory for dQ = dS K, which
-// the warpgroups split along the head dim.
+// the warpgroups split along the queries (d = 64) or the head dim.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -130,12 +130,18 @@ struct BwdTraits : BwdTraitsBase<kHeadDim_, kBlockM_, 64 * kNMmaWarpGroups_, kNM
       GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockM>>, GMMA::Major::K,
                            GMMA::Major::MN>(),
       WarpGroupsAlongM{}));
-  // dQ = dS K: (M = queries, N = d, K = keys); warpgroup w computes columns [w d / W, (w + 1) d / W).
-  static constexpr int kdQCols = kHeadDim / kNMmaWarpGroups;
+  // dQ = dS K: (M = queries, N = d, K = keys). Where the step has 64 queries a warpgroup
+  // (d = 64: 128), warpgroup w computes rows [64 w, 64 w + 64), all columns; else columns
+  // [w d / W, (w + 1) d / W). Split by columns at d = 64, each warpgroup's m128 n32 wgmma read
+  // all of dS and K's half twice: 48 KiB of shared memory a warpgroup for 1 MFLOP, 188 B/clk at
+  // the tensor rate against the 128 B/clk shared memory delivers; split by rows, 32 KiB (125).
+  static constexpr bool kdQRowsPerWarpgroup = kBlockM == 64 * kNMmaWarpGroups;
+  static constexpr int kdQCols = kdQRowsPerWarpgroup ? kHeadDim : kHeadDim / kNMmaWarpGroups;
   using TiledMmadQ = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kdQCols>, Int<kBlockN>>, GMMA::Major::MN,
+      GMMA::ss_op_selector<Element, Element, float,
+                           Shape<Int<kdQRowsPerWarpgroup ? 64 : kBlockM>, Int<kdQCols>, Int<kBlockN>>, GMMA::Major::MN,
                            GMMA::Major::MN>(),
-      WarpGroupsAlongN{}));
+      std::conditional_t<kdQRowsPerWarpgroup, WarpGroupsAlongM, WarpGroupsAlongN>{}));
   static_assert(size<1>(typename TiledMmaSdP::AtomShape_MNK{}) == kBlockM &&
                     size<1>(typename TiledMmadKV::AtomShape_MNK{}) == kHeadDim &&
                     size<1>(typename TiledMmadQ::AtomShape_MNK{}) == kdQCols,
