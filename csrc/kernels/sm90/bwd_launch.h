@@ -89,14 +89,22 @@ Status run_bwd_mainloop(const BwdParams& params, cudaStream_t stream) {
   return cuda_status(cudaGetLastError(), "sm90 backward dQ conversion launch");
 }
 
+// The calls without softcap, ALiBi and dropout (most of training) run the instantiation that has
+// none of them compiled in; the others run the one with all three.
+template <template <typename, typename> class Mainloop, typename Traits>
+Status run_bwd_features(const BwdParams& params, cudaStream_t stream) {
+  if (PlainScores::covers(params.problem)) return run_bwd_mainloop<Mainloop<Traits, PlainScores>>(params, stream);
+  return run_bwd_mainloop<Mainloop<Traits, AllScoreFeatures>>(params, stream);
+}
+
 template <int kHeadDim, typename Element>
 Status run_bwd(const BwdParams& params, cudaStream_t stream) {
   constexpr BwdTile kTile = bwd_tile(kHeadDim);
   if constexpr (kTile.layout == BwdLayout::kKeysPerWarpgroup) {
-    return run_bwd_mainloop<BwdMainloop<BwdTraits<kHeadDim, kTile.block_m, kTile.mma_warpgroups, kTile.stages, Element>>>(
+    return run_bwd_features<BwdMainloop, BwdTraits<kHeadDim, kTile.block_m, kTile.mma_warpgroups, kTile.stages, Element>>(
         params, stream);
   } else {
-    return run_bwd_mainloop<BwdMainloopSplitD<BwdTraitsSplitD<kHeadDim, kTile.block_m, kTile.stages, Element>>>(params,
+    return run_bwd_features<BwdMainloopSplitD, BwdTraitsSplitD<kHeadDim, kTile.block_m, kTile.stages, Element>>(params,
                                                                                                             stream);
   }
 }

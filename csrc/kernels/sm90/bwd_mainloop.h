@@ -18,6 +18,7 @@
 #include "kernels/common/block_info.h"
 #include "kernels/common/dq_semaphore.h"
 #include "kernels/common/mask.h"
+#include "kernels/common/score_features.h"
 #include "kernels/common/alibi.h"
 #include "kernels/common/dropout.h"
 #include "kernels/common/softcap.h"
@@ -69,9 +70,11 @@ struct QueryStats {
   __device__ float operator()(int qi) const { return qi % 2 ? v[qi / 2].y : v[qi / 2].x; }
 };
 
-template <typename Traits_>
+// Features: the score modifiers compiled in (common/score_features.h).
+template <typename Traits_, typename Features_ = AllScoreFeatures>
 struct BwdMainloop {
   using Traits = Traits_;
+  using Features = Features_;
   using Element = typename Traits::Element;
   using Pipeline = typename Traits::Pipeline;
   using PipelineState = typename Pipeline::PipelineState;
@@ -186,8 +189,8 @@ struct BwdMainloop {
     gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_sdp, tdPrV, tdPrdO(_, _, _, st_do.index()), acc_dp);
     warpgroup_wait<1>();  // S^T done, dP^T running
     warpgroup_fence_operand(acc_s);
-    if (softcap.on()) softcap.tanh_scores(acc_s);
-    if (alibi.on()) alibi.apply</*kTransposed=*/true>(acc_s, tScS, mask, m * kBlockM, n_block * kBlockN);
+    if (Features::kSoftcap && softcap.on()) softcap.tanh_scores(acc_s);
+    if (Features::kAlibi && alibi.on()) alibi.apply</*kTransposed=*/true>(acc_s, tScS, mask, m * kBlockM, n_block * kBlockN);
     if (mask.block_needs_mask<kBlockM, kBlockN>(m, n_block))
       mask.apply</*kTransposed=*/true>(acc_s, tScS, m * kBlockM, n_block * kBlockN);
     Tensor s = colrow_view(acc_s);  // (query, key)
@@ -200,13 +203,13 @@ struct BwdMainloop {
     }
     // Drawn on P in place while dP^T runs: bits drawn before the GEMMs and held through them cost
     // the backward without dropout 2-6% at d = 64 (PERFLOG.md entry 44).
-    if (dropout.on())
+    if (Features::kDropout && dropout.on())
       dropout.apply</*kTransposed=*/true, 8, 32>(s, colrow_view(tScS), m * kBlockM, n_block * kBlockN, Dropout::Negate{});
     warpgroup_wait<0>();  // dP^T done
     warpgroup_fence_operand(acc_dp);
     Tensor ds = colrow_view(acc_dp);
     const QueryStats<kStatQueries> dpsum(shared.dpsum.data() + st_do.index() * kBlockM + stats_offset);
-    if (dropout.on()) {
+    if (Features::kDropout && dropout.on()) {
       // A dropped P (negated) has dP = 0: dS = P (0 - D) = (-P) D.
       const float keep_scale = Dropout::keep_scale(*dropout.p);
       CUTE_UNROLL
@@ -224,7 +227,7 @@ struct BwdMainloop {
         for (int ki = 0; ki < size<1>(ds); ++ki) ds(qi, ki) = s(qi, ki) * (ds(qi, ki) - d_q);
       }
     }
-    if (softcap.on()) {  // the gradient of x = scale * s: through tanh's derivative
+    if (Features::kSoftcap && softcap.on()) {  // the gradient of x = scale * s: through tanh's derivative
       // LSE loaded again from shared memory (still this stage's: Q's stage is released after the
       // dK GEMM) rather than held through the dP^T wait: at d = 64 (128 queries per step) holding
       // it spilled 216 B, in every call, softcap or not.
@@ -236,7 +239,7 @@ struct BwdMainloop {
         for (int ki = 0; ki < size<1>(ds); ++ki) ds(qi, ki) *= softcap.dtanh(fabsf(s(qi, ki)), lse_q);
       }
     }
-    if (dropout.on()) {
+    if (Features::kDropout && dropout.on()) {
       CUTE_UNROLL
       for (int i = 0; i < size(acc_s); ++i) acc_s(i) = fmaxf(acc_s(i), 0.f);
     }

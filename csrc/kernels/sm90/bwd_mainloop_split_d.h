@@ -23,9 +23,9 @@ namespace cutlass_flash::sm90 {
 
 using namespace cute;
 
-template <typename Traits_>
-struct BwdMainloopSplitD : BwdMainloop<Traits_> {
-  using Base = BwdMainloop<Traits_>;
+template <typename Traits_, typename Features_ = AllScoreFeatures>
+struct BwdMainloopSplitD : BwdMainloop<Traits_, Features_> {
+  using Base = BwdMainloop<Traits_, Features_>;
   using Traits = Traits_;
   using Element = typename Traits::Element;
   using Pipeline = typename Traits::Pipeline;

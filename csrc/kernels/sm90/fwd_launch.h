@@ -58,7 +58,7 @@ FwdKernelParams<Traits> fwd_kernel_params(const FwdParams& params) {
 // Launches the forward kernel of one configuration (FwdTraits); run_fwd picks the configuration of
 // a head dim, and benchmarks/tune_sm90.cu times others. tile_group > 0 replaces the causal
 // schedule's computed group size (tuning only).
-template <typename Traits, bool kDropout = true>
+template <typename Traits, typename Features = AllScoreFeatures>
 Status run_fwd_traits(const FwdParams& params, cudaStream_t stream, int tile_group = 0) {
   using Element = typename Traits::Element;
   const AttnProblem& p = params.problem;
@@ -69,7 +69,7 @@ Status run_fwd_traits(const FwdParams& params, cudaStream_t stream, int tile_gro
   int grid = 0;
   if (Status s = DynamicTileScheduler::launch_grid(p, params.workspace, tile_group, stream, kp.scheduler, grid); !s.ok())
     return s;
-  constexpr auto kernel = fwd_kernel<FwdMainloop<Traits, kDropout>, FwdEpilogue<Traits>, DynamicTileScheduler>;
+  constexpr auto kernel = fwd_kernel<FwdMainloop<Traits, Features>, FwdEpilogue<Traits>, DynamicTileScheduler>;
   if (Status s = ensure_smem_limit<kernel>(Traits::kSmemBytes); !s.ok()) return s;
   kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(kp);
   return cuda_status(cudaGetLastError(), "sm90 forward launch");
@@ -80,7 +80,7 @@ Status run_fwd(const FwdParams& params, cudaStream_t stream) {
   constexpr FwdTile kTile = fwd_tile(kHeadDim);
   using Traits = FwdTraits<kHeadDim, kTile.block_m, kTile.block_n, kTile.stages, Element>;
   if constexpr (Traits::kDropoutKernel) {
-    if (params.problem.dropout_p == 0.f) return run_fwd_traits<Traits, /*kDropout=*/false>(params, stream);
+    if (NoDropout::covers(params.problem)) return run_fwd_traits<Traits, NoDropout>(params, stream);
   }
   return run_fwd_traits<Traits>(params, stream);
 }

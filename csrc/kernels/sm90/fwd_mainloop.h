@@ -14,6 +14,7 @@
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
 #include "kernels/common/mask.h"
+#include "kernels/common/score_features.h"
 #include "kernels/common/alibi.h"
 #include "kernels/common/dropout.h"
 #include "kernels/common/softcap.h"
@@ -47,11 +48,12 @@ struct WarpScheduler {
   }
 };
 
-// kDropout: whether the kernel has dropout's path (taken when the call's dropout_p > 0); see
-// Traits::kDropoutKernel.
-template <typename Traits_, bool kDropout = true>
+// Features: the score modifiers compiled in (common/score_features.h); without dropout where
+// Traits::kDropoutKernel gives dropout a kernel of its own.
+template <typename Traits_, typename Features_ = AllScoreFeatures>
 struct FwdMainloop {
   using Traits = Traits_;
+  using Features = Features_;
   using Element = typename Traits::Element;
   using PipelineKV = typename Traits::PipelineKV;
   using PipelineState = typename PipelineKV::PipelineState;
@@ -201,13 +203,13 @@ struct FwdMainloop {
     // Whether key block n needs element-wise masking for any row of the tile (one uniform test).
     auto needs_mask = [&](int n) { return mask.block_needs_mask<kBlockM, kBlockN>(m_block, n); };
     auto scores = [&](auto& tSrS, int n_block, bool masked) {
-      if (softcap.on()) softcap.tanh_scores(tSrS);
-      if (alibi.on()) alibi.apply(tSrS, tScS, mask, row_offset, n_block * kBlockN);
+      if (Features::kSoftcap && softcap.on()) softcap.tanh_scores(tSrS);
+      if (Features::kAlibi && alibi.on()) alibi.apply(tSrS, tScS, mask, row_offset, n_block * kBlockN);
       if (masked) mask.apply(tSrS, tScS, row_offset, n_block * kBlockN);
     };
     // Dropout after max_and_exp, whose row sums are those of the undropped P: on the fp32 P while
     // the previous P V GEMM runs, or on the 16-bit P after it (Traits::kDropoutOnP16).
-    const bool dropout_on = kDropout && dropout.on();
+    const bool dropout_on = Features::kDropout && dropout.on();
     constexpr int kAlign = Dropout::column_align(kBlockN);
     auto drop = [&](auto&& p_rc, int n_block) {
       if (dropout_on)
