@@ -102,9 +102,8 @@ FAMILIES: Tuple[Family, ...] = (
     # exist only in the arch-specific sm_90a target.
     # CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED: wgmma atoms with N = 80, 112, ... (else CuTe splits
     # an N = 80 GEMM into five 64x16 atoms).
-    # Backward at d = 64, 128 (keys per warpgroup) and 192, 256 (split d), sm90/tile_config.h.
-    # Both split a tile's columns in halves between two warpgroups, which at d = 96 (48 columns)
-    # cuts through the 32-column swizzle atom of K, Q and dO: d = 96 runs on the sm80 backward.
+    # Backward at every head dim: keys per warpgroup at d <= 128, split d at 192 and 256
+    # (sm90/tile_config.h).
     Family(arch=90, directions=("fwd", "bwd"), head_dims=HEAD_DIMS,
            sass_default=("90a",), sass_allowed=("90a",),
            defines=("CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",),

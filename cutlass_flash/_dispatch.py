@@ -27,8 +27,8 @@ ARCHS = tuple(FAMILIES)
 
 #: Directions each family has kernels for.
 FAMILY_DIRECTIONS = {arch: tuple(dirs) for arch, dirs in FAMILIES.items()}
-#: A (direction, head dim) a family lacks runs on FALLBACK_ARCH: the sm90 backward at
-#: d = 192/256 is sm80's.
+#: A (direction, head dim) a family lacks (a Family.bwd_head_dims narrower than its head dims in
+#: csrc/generate.py) runs on FALLBACK_ARCH. Today every family has every (direction, head dim).
 FALLBACK_ARCH = 80
 
 #: Head dims that have kernels. Other multiples of 8 up to 256 are zero-padded to the next one.
