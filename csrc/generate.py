@@ -145,18 +145,17 @@ FWD_WORKSPACE_ALIGN = 16
 # times shorter (common/dq_semaphore.h), for this many times the dQ scratch.
 BWD_DQ_GROUPS = 4
 # ... where the chains are long enough to pay for the copies (zeroed and summed in every call):
-# from 4k keys (32 blocks of 128), and only in the d <= 128 layout. Measured on an H100, bf16,
-# 16k tokens (PERFLOG 31): with 4 groups everywhere, det / default went from 0.86-0.89 to
-# 0.68-0.75 at d = 128 with 1-2k keys, from 0.57-0.68 to 0.87-0.96 at d = 64 with 8-16k keys, and
-# stayed 0.44-0.57 at d = 256 (the split-d layout waits elsewhere).
+# from 4k keys (32 blocks of 128), at every head dim. Measured on an H100, bf16, 16k tokens: with
+# 4 groups everywhere (PERFLOG 31), det / default went from 0.86-0.89 to 0.68-0.75 at d = 128 with
+# 1-2k keys and from 0.57-0.68 to 0.87-0.96 at d = 64 with 8-16k keys; the split-d layout
+# (d = 192 / 256) gained from them at 8k keys (+30-47%, 0.39-0.51 -> 0.57-0.61) once its
+# consumers no longer waited for their own reductions every step (PERFLOG 52).
 BWD_DQ_GROUPS_MIN_SEQLEN_K = 4096
-BWD_DQ_GROUPS_MAX_HEAD_DIM = 128
 
 
-def bwd_dq_groups(seqlen_k: int, head_dim: int, deterministic: bool) -> int:
+def bwd_dq_groups(seqlen_k: int, deterministic: bool) -> int:
     """dQ copies of a backward call (the same rule as the generated bwd_dq_groups)."""
-    return BWD_DQ_GROUPS if (deterministic and seqlen_k >= BWD_DQ_GROUPS_MIN_SEQLEN_K and
-                             head_dim <= BWD_DQ_GROUPS_MAX_HEAD_DIM) else 1
+    return BWD_DQ_GROUPS if deterministic and seqlen_k >= BWD_DQ_GROUPS_MIN_SEQLEN_K else 1
 # (array, element type, elements per rounded query row: (multiplier, divisor) with the multiplier
 # "head_dim" or 1, present only in deterministic mode, one copy per dQ group in deterministic
 # mode). Arrays follow each other in this order.
@@ -181,7 +180,7 @@ def bwd_workspace_bytes(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, h
         rows = batch * nheads * _round_rows(seqlen_q)
     else:
         rows = nheads * (_round_rows(total_q) + batch * BWD_ROW_ALIGN)
-    groups = 1 if total_q is not None else bwd_dq_groups(seqlen_k, head_dim, deterministic)
+    groups = 1 if total_q is not None else bwd_dq_groups(seqlen_k, deterministic)
     total = 0
     for _, ctype, per_row, det_only, grouped in BWD_WORKSPACE_ARRAYS:
         mul, div = per_row
@@ -226,7 +225,6 @@ constexpr size_t kBwdArrayAlign = {BWD_ARRAY_ALIGN};
 constexpr int kBwdSemaphoreRows = {BWD_SEMAPHORE_ROWS};
 constexpr int kBwdDqGroups = {BWD_DQ_GROUPS};
 constexpr int kBwdDqGroupsMinSeqlenK = {BWD_DQ_GROUPS_MIN_SEQLEN_K};
-constexpr int kBwdDqGroupsMaxHeadDim = {BWD_DQ_GROUPS_MAX_HEAD_DIM};
 constexpr size_t kFwdWorkspaceAlign = {FWD_WORKSPACE_ALIGN};
 
 struct BwdWorkspace {{
@@ -249,9 +247,7 @@ CUTLASS_FLASH_HOST_DEVICE inline size_t align_up(size_t x, size_t a) {{ return (
 // csrc/generate.py), else 1. Variable-length batches take 1: a rule on the longest sequence would
 // give one sequence other bits alone than inside a batch.
 CUTLASS_FLASH_HOST_DEVICE inline int bwd_dq_groups(const AttnProblem& p, bool deterministic) {{
-  return deterministic && !p.is_varlen() && p.seqlen_k >= kBwdDqGroupsMinSeqlenK &&
-                 p.head_dim <= kBwdDqGroupsMaxHeadDim
-             ? kBwdDqGroups : 1;
+  return deterministic && !p.is_varlen() && p.seqlen_k >= kBwdDqGroupsMinSeqlenK ? kBwdDqGroups : 1;
 }}
 
 CUTLASS_FLASH_HOST_DEVICE inline BwdWorkspace bwd_workspace_layout(const AttnProblem& p, bool deterministic) {{

@@ -99,15 +99,17 @@ def test_backward_workspace_table():
     long_k = gen.BWD_DQ_GROUPS_MIN_SEQLEN_K
     assert gen.bwd_workspace_bytes(2, 16, 1000, long_k, 128, False) == rows * 130 * 4
     # Deterministic: one copy of dQ (and of the semaphores) per dQ group, where keys are many
-    # and the head dim takes the grouped layout; one copy otherwise.
+    # (at every head dim); one copy otherwise.
     groups = gen.BWD_DQ_GROUPS
     assert groups > 1
     assert gen.bwd_workspace_bytes(2, 16, 1000, long_k, 128, True) == \
         rows * (128 * groups + 2) * 4 + rows * groups // 64 * 4
-    for seqlen_k, head_dim in ((long_k - 1, 128), (long_k, gen.BWD_DQ_GROUPS_MAX_HEAD_DIM + 64)):
-        assert gen.bwd_dq_groups(seqlen_k, head_dim, True) == 1
-        assert gen.bwd_workspace_bytes(2, 16, 1000, seqlen_k, head_dim, True) == \
-            rows * (head_dim + 2) * 4 + rows // 64 * 4
+    assert gen.bwd_workspace_bytes(2, 16, 1000, long_k, 256, True) == \
+        rows * (256 * groups + 2) * 4 + rows * groups // 64 * 4
+    assert gen.bwd_dq_groups(long_k, True) == groups and gen.bwd_dq_groups(long_k, False) == 1
+    assert gen.bwd_dq_groups(long_k - 1, True) == 1
+    assert gen.bwd_workspace_bytes(2, 16, 1000, long_k - 1, 128, True) == \
+        rows * (128 + 2) * 4 + rows // 64 * 4
 
 
 def test_restricted_selection():

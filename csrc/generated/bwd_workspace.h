@@ -22,7 +22,6 @@ constexpr size_t kBwdArrayAlign = 256;
 constexpr int kBwdSemaphoreRows = 64;
 constexpr int kBwdDqGroups = 4;
 constexpr int kBwdDqGroupsMinSeqlenK = 4096;
-constexpr int kBwdDqGroupsMaxHeadDim = 128;
 constexpr size_t kFwdWorkspaceAlign = 16;
 
 struct BwdWorkspace {
@@ -49,9 +48,7 @@ CUTLASS_FLASH_HOST_DEVICE inline size_t align_up(size_t x, size_t a) { return (x
 // csrc/generate.py), else 1. Variable-length batches take 1: a rule on the longest sequence would
 // give one sequence other bits alone than inside a batch.
 CUTLASS_FLASH_HOST_DEVICE inline int bwd_dq_groups(const AttnProblem& p, bool deterministic) {
-  return deterministic && !p.is_varlen() && p.seqlen_k >= kBwdDqGroupsMinSeqlenK &&
-                 p.head_dim <= kBwdDqGroupsMaxHeadDim
-             ? kBwdDqGroups : 1;
+  return deterministic && !p.is_varlen() && p.seqlen_k >= kBwdDqGroupsMinSeqlenK ? kBwdDqGroups : 1;
 }
 
 CUTLASS_FLASH_HOST_DEVICE inline BwdWorkspace bwd_workspace_layout(const AttnProblem& p, bool deterministic) {

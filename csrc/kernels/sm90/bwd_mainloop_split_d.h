@@ -122,7 +122,12 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_, Features_> {
   // Adds the step's dQ to the query tile's fp32 rows in the workspace, in the layout of the other
   // layout's bulk add (dq_index: each warp's 16-byte reductions cover 512 consecutive bytes), so the
   // dQ conversion kernel is shared. Deterministic mode: after the lower key blocks' additions,
-  // with the block's two warpgroups meeting at a named barrier on each side of theirs.
+  // with the block's two warpgroups meeting at a named barrier on each side of theirs. The turn is
+  // passed on by one thread's release after the second barrier, which publishes every consumer's
+  // reductions (cumulativity through the barrier: the pattern of CUTLASS's
+  // GenericBarrier::arrive_inc): only that thread's warp waits for them to complete, while the
+  // dK / dV GEMMs run. A __threadfence in every thread stalled both warpgroups every step
+  // (deterministic / default 0.47-0.65 at d = 192 / 256, PERFLOG.md entry 35).
   template <typename Params, typename AccdQ>
   __device__ static void add_dq(const Params& params, const AccdQ& acc_dq, const WindowMask& mask, int64_t dq_row,
                                 int m, int n_block, int tid) {
@@ -138,7 +143,6 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_, Features_> {
       red_add(dst + dq_index<Traits>(4 * j, tid) / 4,
               make_float4(acc_dq(4 * j), acc_dq(4 * j + 1), acc_dq(4 * j + 2), acc_dq(4 * j + 3)));
     if (semaphore != nullptr) {
-      __threadfence();
       cutlass::arch::NamedBarrier::sync(Traits::kNMmaThreads, int(BwdBarrier::kdQTurn));
       if (tid == 0) DqSemaphore::signal(semaphore);
     }
