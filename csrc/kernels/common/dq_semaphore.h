@@ -28,29 +28,15 @@ struct DqSemaphore {
 
   // How many key blocks of n_block's group below it add to query tile m_block: those whose query
   // range (WindowMask::m_block_range, the same function that bounds their loops) contains it.
-  // Both ends of that range are nondecreasing in the key block, so the blocks that contain m_block
-  // are one run [lo, hi): two binary searches, 2 log2(n_block) range evaluations where a count over
-  // every lower block took n_block / groups of them on the critical path of each step (128 at 8k
-  // keys in the split-d layout). tests/test_dq_turn.py checks it against that count.
   template <int kBlockM, int kBlockN>
-  __host__ __device__ static int turn(const WindowMask& mask, int m_block, int n_block, int groups) {
-    // The first key block in [0, n_block) whose range ends after m_block / starts after it.
-    auto first = [&](bool ends) {
-      int a = 0, b = n_block;
-      while (a < b) {
-        const int mid = (a + b) / 2;
-        int m_min, m_max;
-        mask.m_block_range<kBlockM, kBlockN>(mid, m_min, m_max);
-        if (ends ? m_max > m_block : m_min > m_block) b = mid;
-        else a = mid + 1;
-      }
-      return a;
-    };
-    const int lo = first(true), hi = first(false);
-    // Blocks of [0, x) in n_block's group (n % groups == n_block % groups).
-    const int r = n_block % groups;
-    auto in_group = [&](int x) { return x > r ? (x - r + groups - 1) / groups : 0; };
-    return hi > lo ? in_group(hi) - in_group(lo) : 0;
+  __device__ static int turn(const WindowMask& mask, int m_block, int n_block, int groups) {
+    int count = 0;
+    for (int n = n_block % groups; n < n_block; n += groups) {
+      int m_min, m_max;
+      mask.m_block_range<kBlockM, kBlockN>(n, m_min, m_max);
+      count += m_min <= m_block && m_block < m_max;
+    }
+    return count;
   }
 
   // One thread: spins until `sem` reaches `value` (acquire).
