@@ -23,6 +23,17 @@ struct GridTileScheduler {
     const int b = longest_first ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
     return {b, int(blockIdx.y), int(blockIdx.z)};
   }
+
+  // The same tile, read again where it is called: the compiler cannot prove it equal to get()'s,
+  // so the addresses a kernel derives from it inside a loop are computed there instead of being
+  // held in registers (or spilled) across the loop's body.
+  __device__ static TileCoord get_here(bool longest_first) {
+    int x, y, z;
+    asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(x));
+    asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(y));
+    asm volatile("mov.u32 %0, %%ctaid.z;" : "=r"(z));
+    return {longest_first ? int(gridDim.x) - 1 - x : x, y, z};
+  }
 };
 
 // The tile order of a persistent grid (one block per SM): tile index -> (query block, head,

@@ -87,14 +87,6 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1) bwd_kernel(con
   };
   using QTile = Shape<Int<kBlockM>, Int<kHeadDim>>;
   using KTile = Shape<Int<kBlockN>, Int<kHeadDim>>;
-  Tensor gK = local_tile(rows_tensor(seq.k_rows<Element>(p, params.k, head_kv), seq.seqlen_k, params.k.row_stride),
-                         KTile{}, make_coord(n_block, 0));
-  Tensor gV = local_tile(rows_tensor(seq.k_rows<Element>(p, params.v, head_kv), seq.seqlen_k, params.v.row_stride),
-                         KTile{}, make_coord(n_block, 0));
-  Tensor gdK = local_tile(rows_tensor(seq.k_rows<Element>(p, params.dk, head_kv), seq.seqlen_k, params.dk.row_stride),
-                          KTile{}, make_coord(n_block, 0));
-  Tensor gdV = local_tile(rows_tensor(seq.k_rows<Element>(p, params.dv, head_kv), seq.seqlen_k, params.dv.row_stride),
-                          KTile{}, make_coord(n_block, 0));
 
   const BwdWorkspace ws = bwd_workspace_layout(p, params.deterministic);
   char* workspace = static_cast<char*>(params.workspace);
@@ -117,13 +109,28 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1) bwd_kernel(con
     const float* lse = params.lse + seq.lse_row(p, head);
     const BwdDqOrder dq_order{params.deterministic ? reinterpret_cast<int*>(workspace + ws.dq_semaphore_offset) : nullptr,
                               dq_row, n_block, ws.dq_groups};
+    // K and V (loaded again for each query head) from the tile read here: built before the loop,
+    // their addresses were held across it and spilled (48 B at d = 64, 92 B at d = 256, sm_80).
+    const TileCoord kv = Scheduler::get_here(/*longest_first=*/false);
+    const SeqInfo kv_seq(p, kv.batch);
+    Tensor gK = local_tile(rows_tensor(kv_seq.k_rows<Element>(p, params.k, kv.head), kv_seq.seqlen_k, params.k.row_stride),
+                           KTile{}, make_coord(kv.block, 0));
+    Tensor gV = local_tile(rows_tensor(kv_seq.k_rows<Element>(p, params.v, kv.head), kv_seq.seqlen_k, params.v.row_stride),
+                           KTile{}, make_coord(kv.block, 0));
     if (g > 0) __syncthreads();  // the last head's final reads of shared memory are done
     Mainloop::run(gQ, gdO, gK, gV, dq_accum, lse, dpsum, smem, mask, Softcap(p), Alibi(p, tile.batch, head),
                   Dropout(p, tile.batch, head), n_block, m_min, m_max,
                   Softcap::softmax_scale(p) * float(M_LOG2E), acc_dk, acc_dv, dq_order);
   }
+  // dK and dV's addresses and rows likewise from the tile read after the loop.
+  const TileCoord out = Scheduler::get_here(/*longest_first=*/false);
+  const SeqInfo out_seq(p, out.batch);
+  Tensor gdK = local_tile(rows_tensor(out_seq.k_rows<Element>(p, params.dk, out.head), out_seq.seqlen_k, params.dk.row_stride),
+                          KTile{}, make_coord(out.block, 0));
+  Tensor gdV = local_tile(rows_tensor(out_seq.k_rows<Element>(p, params.dv, out.head), out_seq.seqlen_k, params.dv.row_stride),
+                          KTile{}, make_coord(out.block, 0));
   Epilogue::store(acc_dk, acc_dv, gdK, gdV, p.softmax_scale, Dropout::keep_scale(p), smem,
-                  seq.seqlen_k - n_block * kBlockN);
+                  out_seq.seqlen_k - out.block * kBlockN);
 }
 
 }  // namespace cutlass_flash::sm80
