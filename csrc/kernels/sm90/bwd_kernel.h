@@ -1,7 +1,7 @@
 // sm90 backward kernel, composed as bwd_kernel<Mainloop, Epilogue, Scheduler>: one block per (key
 // block, kv head, batch), warp-specialized. Warpgroup 0 loads (one thread: K, V, then Q and LSE
-// per step; another: dO and D) and, in the keys-per-warpgroup layout, adds dQ to the workspace (a
-// third thread); warpgroups 1.. run the wgmma mainloop (bwd_mainloop.h: each owns 64 of the
+// per step; another: dO and D), and its warp 2 is the dQ warp: in the keys-per-warpgroup layout
+// it adds dQ to the workspace, in the split-d layout it passes the deterministic turns; warpgroups 1.. run the wgmma mainloop (bwd_mainloop.h: each owns 64 of the
 // block's keys; bwd_mainloop_split_d.h: each owns half the head dim) over every query head of the
 // kv head's group, so GQA/MQA dK and dV are summed in registers in a fixed order and written once.
 #pragma once
@@ -27,7 +27,8 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
   using Traits = typename Mainloop::Traits;
   using Pipeline = typename Traits::Pipeline;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
-  constexpr int kQThread = 0, kdOThread = 32, kdQThread = 64;  // lane 0 of warps 0-2
+  constexpr int kQThread = 0, kdOThread = 32;  // lane 0 of warps 0 and 1
+  constexpr int kdQWarp = 2;
   extern __shared__ __align__(1024) char smem[];
   auto& shared = *reinterpret_cast<typename Traits::SharedStorage*>(smem);
 
@@ -91,8 +92,9 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
     } else if (threadIdx.x == kdOThread) {  // dO with its D
       Mainloop::load_rows(params.tma_do, p, params.rows_per_head, pipeline_do, shared.dout.data(),
                           shared.dpsum.data(), params.dpsum, make_steps(make_mask()));
-    } else if (Traits::kDqThread && threadIdx.x == kdQThread) {
-      Mainloop::store_dq(shared, make_steps(make_mask()).count());
+    } else if (threadIdx.x / 32 == kdQWarp) {
+      const WindowMask mask = make_mask();
+      Mainloop::dq_warp(params, shared, make_steps(mask), mask, n_block);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();

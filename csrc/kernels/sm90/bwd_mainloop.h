@@ -126,7 +126,14 @@ struct BwdMainloop {
     }
   }
 
-  // ---- dQ thread ----
+  // ---- dQ warp ----
+
+  // Its lane 0 is the dQ thread.
+  template <typename Params>
+  __device__ static void dq_warp(const Params&, typename Traits::SharedStorage& shared, const BwdSteps& steps,
+                                 const WindowMask&, int) {
+    if (threadIdx.x % 32 == 0) store_dq(shared, steps.count());
+  }
 
   // Adds each step's staged dQ where the consumers' dq_target says: the thread keeps no address
   // arithmetic or mask of its own (it spilled at the producer's 24 registers when it did).

@@ -7,6 +7,8 @@
 //   P^T(:, q_w), dS^T(:, q_w) to shared memory; both warpgroups' halves written ->
 //   dQ(:, d_w) = dS K(:, d_w), dV(:, d_w) += P^T dO(:, d_w), dK(:, d_w) += dS^T Q(:, d_w);
 //   dQ(:, d_w) added to the workspace with 16-byte reductions (red) while dV and dK run.
+// Deterministic mode adds a fourth role, the dQ warp (warp 2 of the producer warpgroup): it waits
+// for each step's turn and passes it on, so that the consumers only meet it at two named barriers.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -32,9 +34,49 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_, Features_> {
   using PipelineState = typename Pipeline::PipelineState;
   static constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   static constexpr int kQueriesPerWarpgroup = kBlockM / 2;
+  // The consumers and the dQ warp, at the deterministic turn's two barriers.
+  static constexpr int kTurnThreads = Traits::kNMmaThreads + 32;
 
-  // No dQ thread: the consumers add dQ themselves.
-  __device__ static void store_dq(typename Traits::SharedStorage&, int) {}
+  // The first row of this key block's dQ group's copy of query head h in the workspace
+  // (BwdWorkspace::dq_group_row; the group is 0 unless deterministic).
+  template <typename Params>
+  __device__ static int64_t dq_row(const Params& params, const BwdSteps& steps, int h, int n_block) {
+    return SeqInfo(params.problem, steps.batch).workspace_row(params.problem, params.rows_per_head, h) +
+           (n_block % params.dq_groups) * params.dq_group_rows;
+  }
+
+  // ---- dQ warp (deterministic mode only) ----
+
+  // Per step, in the consumers' order: waits until the lower key blocks of the group have added
+  // their dQ to the step's query tile, lets the consumers add theirs (kdQTurn), waits for them to
+  // have issued it (kdQAdded) and passes the turn on with one release, which publishes the
+  // consumers' reductions (cumulativity through the barrier: CUTLASS's GenericBarrier::arrive_inc
+  // pattern). The consumers used to do this themselves: one thread's spin on the semaphore, an L2
+  // round trip even when the turn had come, and the release's wait for the reductions to reach L2,
+  // each step on the path between their GEMMs (deterministic / default 0.58-0.67, PERFLOG.md entry
+  // 52). Here the wait for step i + 1's turn overlaps step i + 1's GEMMs.
+  template <typename Params>
+  __device__ static void dq_warp(const Params& params, typename Traits::SharedStorage&, const BwdSteps& steps,
+                                 const WindowMask& mask, int n_block) {
+    if (params.dq_semaphore == nullptr) return;
+    const bool leader = threadIdx.x % 32 == 0;
+    // A head's rows follow the previous head's at rows_per_head (SeqInfo::workspace_row, both
+    // layouts): one running row instead of the sequence's offsets, which spilled 12 B at the
+    // producer's 24 registers.
+    int64_t row = dq_row(params, steps, steps.head_begin, n_block);
+#pragma unroll 1
+    for (int h = 0; h < steps.heads; ++h, row += params.rows_per_head) {
+#pragma unroll 1
+      for (int m = steps.m_max - 1; m >= steps.m_min; --m) {
+        int* semaphore = DqSemaphore{params.dq_semaphore}.at<kBlockM>(row, m);
+        if (leader) DqSemaphore::wait(semaphore, DqSemaphore::turn<kBlockM, kBlockN>(mask, m, n_block, params.dq_groups));
+        __syncwarp();
+        cutlass::arch::NamedBarrier::arrive(kTurnThreads, int(BwdBarrier::kdQTurn));
+        cutlass::arch::NamedBarrier::sync(kTurnThreads, int(BwdBarrier::kdQAdded));
+        if (leader) DqSemaphore::signal(semaphore);
+      }
+    }
+  }
 
   template <typename Params, typename AccKV>
   __device__ static void mma(const Params& params, typename Traits::SharedStorage& shared, Pipeline& pipeline_q,
@@ -79,9 +121,7 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_, Features_> {
     int i = 0;
 #pragma unroll 1
     for (int h = steps.head_begin; h < steps.head_begin + steps.heads; ++h) {
-      // This key block's dQ group's rows (BwdWorkspace::dq_group_row; 0 unless deterministic).
-      const int64_t dq_row = SeqInfo(params.problem, steps.batch).workspace_row(params.problem, params.rows_per_head, h) +
-                             (n_block % params.dq_groups) * params.dq_group_rows;
+      const int64_t row = dq_row(params, steps, h, n_block);
       const Alibi alibi(params.problem, steps.batch, h);
       const Dropout dropout(params.problem, steps.batch, h);
 #pragma unroll 1
@@ -107,7 +147,7 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_, Features_> {
         gemm</*kZeroInit=*/false, /*kWait=*/-1>(mma_dkv, tdKrdS(_, _, _, buf), tdKrQ(_, _, _, st_q.index()), acc_dk);
         warpgroup_wait<2>();  // dQ done, dV and dK running
         warpgroup_fence_operand(acc_dq);
-        add_dq(params, acc_dq, mask, dq_row, m, n_block, tid);
+        add_dq(params, acc_dq, row, m, tid);
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_dv);
         warpgroup_fence_operand(acc_dk);
@@ -121,30 +161,26 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_, Features_> {
 
   // Adds the step's dQ to the query tile's fp32 rows in the workspace, in the layout of the other
   // layout's bulk add (dq_index: each warp's 16-byte reductions cover 512 consecutive bytes), so the
-  // dQ conversion kernel is shared. Deterministic mode: after the lower key blocks' additions,
-  // with the block's two warpgroups meeting at a named barrier on each side of theirs. The turn is
-  // passed on by one thread's release after the second barrier, which publishes every consumer's
-  // reductions (cumulativity through the barrier: the pattern of CUTLASS's
-  // GenericBarrier::arrive_inc): only that thread's warp waits for them to complete, while the
-  // dK / dV GEMMs run. A __threadfence in every thread stalled both warpgroups every step
-  // (deterministic / default 0.47-0.65 at d = 192 / 256, PERFLOG.md entry 35).
+  // dQ conversion kernel is shared. Deterministic mode: once the dQ warp has seen the turn come,
+  // and the dQ warp is told when the reductions are issued (dq_warp). The reductions are written
+  // out in each branch: shared by both modes between two predicated barriers, the compiler
+  // rescheduled the default step (+9 instructions before the dS barrier) and the default backward
+  // measured 0.97-1.00x at d = 192 / 256 (PERFLOG.md entry 57).
   template <typename Params, typename AccdQ>
-  __device__ static void add_dq(const Params& params, const AccdQ& acc_dq, const WindowMask& mask, int64_t dq_row,
-                                int m, int n_block, int tid) {
-    float4* dst = reinterpret_cast<float4*>(params.dq_accum + (dq_row + int64_t(m) * kBlockM) * kHeadDim);
-    int* semaphore = nullptr;
+  __device__ static void add_dq(const Params& params, const AccdQ& acc_dq, int64_t row, int m, int tid) {
+    float4* dst = reinterpret_cast<float4*>(params.dq_accum + (row + int64_t(m) * kBlockM) * kHeadDim);
+    auto add = [&] {
+      CUTE_UNROLL
+      for (int j = 0; j < size(acc_dq) / 4; ++j)
+        red_add(dst + dq_index<Traits>(4 * j, tid) / 4,
+                make_float4(acc_dq(4 * j), acc_dq(4 * j + 1), acc_dq(4 * j + 2), acc_dq(4 * j + 3)));
+    };
     if (params.dq_semaphore != nullptr) {
-      semaphore = DqSemaphore{params.dq_semaphore}.at<kBlockM>(dq_row, m);
-      if (tid == 0) DqSemaphore::wait(semaphore, DqSemaphore::turn<kBlockM, kBlockN>(mask, m, n_block, params.dq_groups));
-      cutlass::arch::NamedBarrier::sync(Traits::kNMmaThreads, int(BwdBarrier::kdQTurn));
-    }
-    CUTE_UNROLL
-    for (int j = 0; j < size(acc_dq) / 4; ++j)
-      red_add(dst + dq_index<Traits>(4 * j, tid) / 4,
-              make_float4(acc_dq(4 * j), acc_dq(4 * j + 1), acc_dq(4 * j + 2), acc_dq(4 * j + 3)));
-    if (semaphore != nullptr) {
-      cutlass::arch::NamedBarrier::sync(Traits::kNMmaThreads, int(BwdBarrier::kdQTurn));
-      if (tid == 0) DqSemaphore::signal(semaphore);
+      cutlass::arch::NamedBarrier::sync(kTurnThreads, int(BwdBarrier::kdQTurn));
+      add();
+      cutlass::arch::NamedBarrier::arrive(kTurnThreads, int(BwdBarrier::kdQAdded));
+    } else {
+      add();
     }
   }
 };

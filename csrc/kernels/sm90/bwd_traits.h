@@ -232,9 +232,10 @@ struct BwdTraitsSplitD : BwdTraitsBase<kHeadDim_, kBlockM_, 64, 2, kStages_, kHe
 // Named barriers of the consumer warpgroups (ids after CUTLASS's reserved ones).
 enum class BwdBarrier : int {
   kdSReady = 0,  // every warpgroup's dS^T (and P^T) of the step is in shared memory
-  kdQTurn = 1,   // split-d layout, deterministic: the block's turn to add dQ / its additions done
-  kEpilogue = 2,     // split-d layout: both warpgroups' dK/dV staging in V's tile
-  kEpilogueWG1 = 3,  // + warpgroup index, keys-per-warpgroup layout: one warpgroup's staging
+  kdQTurn = 1,   // split-d layout, deterministic: the dQ warp has seen the block's turn to add dQ
+  kdQAdded = 2,  // split-d layout, deterministic: the consumers have issued their dQ reductions
+  kEpilogue = 3,     // split-d layout: both warpgroups' dK/dV staging in V's tile
+  kEpilogueWG1 = 4,  // + warpgroup index, keys-per-warpgroup layout: one warpgroup's staging
 };
 
 // Kernel parameters: the library's plain BwdParams plus the TMA descriptors built from them.
