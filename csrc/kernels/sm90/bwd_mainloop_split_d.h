@@ -53,28 +53,37 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_, Features_> {
   // consumers' reductions (cumulativity through the barrier: CUTLASS's GenericBarrier::arrive_inc
   // pattern). The consumers used to do this themselves: one thread's spin on the semaphore, an L2
   // round trip even when the turn had come, and the release's wait for the reductions to reach L2,
-  // each step on the path between their GEMMs (deterministic / default 0.58-0.67, PERFLOG.md entry
-  // 52). Here the wait for step i + 1's turn overlaps step i + 1's GEMMs.
+  // each step on the path between their GEMMs (deterministic / default 0.54-0.67, PERFLOG.md
+  // entries 52 and 57). Here the wait for step i + 1's turn overlaps step i + 1's GEMMs.
   template <typename Params>
   __device__ static void dq_warp(const Params& params, typename Traits::SharedStorage&, const BwdSteps& steps,
                                  const WindowMask& mask, int n_block) {
-    if (params.dq_semaphore == nullptr) return;
+    if (params.dq_semaphore == nullptr || steps.count() == 0) return;
     const bool leader = threadIdx.x % 32 == 0;
+    auto turn = [&](int m) { return DqSemaphore::turn<kBlockM, kBlockN>(mask, m, n_block, params.dq_groups); };
     // A head's rows follow the previous head's at rows_per_head (SeqInfo::workspace_row, both
     // layouts): one running row instead of the sequence's offsets, which spilled 12 B at the
     // producer's 24 registers.
     int64_t row = dq_row(params, steps, steps.head_begin, n_block);
+    int m = steps.m_max - 1, h = 0;
+    int next_turn = turn(m);
 #pragma unroll 1
-    for (int h = 0; h < steps.heads; ++h, row += params.rows_per_head) {
-#pragma unroll 1
-      for (int m = steps.m_max - 1; m >= steps.m_min; --m) {
-        int* semaphore = DqSemaphore{params.dq_semaphore}.at<kBlockM>(row, m);
-        if (leader) DqSemaphore::wait(semaphore, DqSemaphore::turn<kBlockM, kBlockN>(mask, m, n_block, params.dq_groups));
-        __syncwarp();
-        cutlass::arch::NamedBarrier::arrive(kTurnThreads, int(BwdBarrier::kdQTurn));
-        cutlass::arch::NamedBarrier::sync(kTurnThreads, int(BwdBarrier::kdQAdded));
-        if (leader) DqSemaphore::signal(semaphore);
+    while (true) {
+      int* semaphore = DqSemaphore{params.dq_semaphore}.at<kBlockM>(row, m);
+      if (leader) DqSemaphore::wait(semaphore, next_turn);
+      __syncwarp();
+      cutlass::arch::NamedBarrier::arrive(kTurnThreads, int(BwdBarrier::kdQTurn));
+      // The next step's turn is counted while the consumers add this one's: the count walks the
+      // group's lower key blocks (up to 32 at 8k keys), about as long as a poll of L2.
+      if (--m < steps.m_min) {
+        m = steps.m_max - 1;
+        row += params.rows_per_head;
+        ++h;
       }
+      if (h < steps.heads) next_turn = turn(m);
+      cutlass::arch::NamedBarrier::sync(kTurnThreads, int(BwdBarrier::kdQAdded));
+      if (leader) DqSemaphore::signal(semaphore);
+      if (h == steps.heads) break;
     }
   }
 
