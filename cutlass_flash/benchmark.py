@@ -41,8 +41,9 @@ SDPA_LABEL = {"sdpa-flash": "FA2", "sdpa-cudnn": "cuDNN", "sdpa-efficient": "eff
 RATIO_REFS = ("sdpa-flash", "sdpa-cudnn", "fa3")
 REF_LABEL = {**SDPA_LABEL, "fa3": "FA3"}
 # Every --impls value; ours-det is ours with deterministic=True, ours-softcap with softcap=SOFTCAP,
-# ours-alibi with ALiBi slopes, ours-dropout with dropout_p=DROPOUT.
-IMPLS = ("ours", "ours-det", "ours-softcap", "ours-alibi", "ours-dropout", *SDPA_IMPLS, "fa3")
+# ours-alibi with ALiBi slopes, ours-dropout with dropout_p=DROPOUT; fa3-det is FlashAttention-3 with
+# deterministic=True (the reference for the cost of ours-det).
+IMPLS = ("ours", "ours-det", "ours-softcap", "ours-alibi", "ours-dropout", *SDPA_IMPLS, "fa3", "fa3-det")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -129,7 +130,8 @@ def parse_args(argv=None):
                         "FlashAttention-3, skipped with a note where flash_attn_interface does "
                         "not import); ours-det: ours with deterministic=True; ours-softcap: "
                         f"ours with softcap={SOFTCAP:g}; ours-alibi: ours with ALiBi slopes; "
-                        f"ours-dropout: ours with dropout_p={DROPOUT:g}")
+                        f"ours-dropout: ours with dropout_p={DROPOUT:g}; fa3-det: FA3 with "
+                        "deterministic=True")
     p.add_argument("--total-tokens", type=int, default=16384, help="batch * seqlen (16384)")
     p.add_argument("--hidden", type=int, default=2048, help="nheads * head_dim (2048)")
     p.add_argument("--rounds", type=int, default=5,
@@ -405,7 +407,7 @@ def fa3_info():
     return text + f"; built {','.join(dtypes)}, head dims {','.join(map(str, head_dims))}"
 
 
-def _fa3(causal):
+def _fa3(causal, deterministic=False):
     fa3 = _fa3_interface()
     dtypes, head_dims = _fa3_built()
     built = {DTYPES[d] for d in dtypes}
@@ -415,7 +417,7 @@ def _fa3(causal):
         if q.dtype not in built or q.shape[-1] not in head_dims:
             raise ValueError(f"FA3 build has no kernel for {q.dtype} head_dim {q.shape[-1]} "
                              f"(built: {','.join(dtypes)}; {','.join(map(str, head_dims))})")
-        out = fa3.flash_attn_func(q, k, v, causal=causal)
+        out = fa3.flash_attn_func(q, k, v, causal=causal, **({"deterministic": True} if deterministic else {}))
         # Older FA3 returns (out, softmax_lse); newer returns out unless return_attn_probs.
         return out[0] if isinstance(out, (tuple, list)) else out
     return fwd
@@ -441,9 +443,9 @@ def implementations(args):
             out.append((impl, lambda causal: _ours(causal, alibi=True), contextlib.nullcontext))
         elif impl == "ours-dropout":  # dropout_p=DROPOUT, kernel family automatic
             out.append((impl, lambda causal: _ours(causal, dropout_p=DROPOUT), contextlib.nullcontext))
-        elif impl == "fa3":
+        elif impl in ("fa3", "fa3-det"):
             if _fa3_interface() is not None:
-                out.append(("fa3", _fa3, contextlib.nullcontext))
+                out.append((impl, lambda causal, det=impl == "fa3-det": _fa3(causal, det), contextlib.nullcontext))
         else:
             out.append((impl, lambda causal, n=impl: _sdpa(n, causal), contextlib.nullcontext))
     return out
@@ -728,7 +730,7 @@ def main(argv=None):
     if err and "ours" in args.impls:
         print(f"warning: {err}\nour columns will read n/a", file=sys.stderr)
     env = environment()
-    if "fa3" in args.impls and not args.overhead_only:
+    if ("fa3" in args.impls or "fa3-det" in args.impls) and not args.overhead_only:
         env["FA3"] = fa3_info()
     for key, val in env.items():
         print(f"{key:22s} {val}")

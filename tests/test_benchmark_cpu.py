@@ -128,6 +128,25 @@ def test_fa3_column_and_ratio_with_a_stand_in(monkeypatch, fresh_fa3):
     assert "| 128 | 2048 | 8 x 16 | no | 600.0 | 300.0 | 500.0 | 2.00x | 1.20x |" in md
 
 
+def test_fa3_det_column_passes_deterministic(monkeypatch, fresh_fa3):
+    calls = []
+
+    def flash_attn_func(q, k, v, softmax_scale=None, causal=False, deterministic=False):
+        calls.append((causal, deterministic))
+        return q * 2
+
+    monkeypatch.setitem(sys.modules, "flash_attn_interface",
+                        types.SimpleNamespace(flash_attn_func=flash_attn_func, __file__="/x/y.py"))
+    monkeypatch.setitem(sys.modules, "flash_attn_config", types.SimpleNamespace(CONFIG={"build_flags": {}}))
+    args = benchmark.parse_args(["--impls", "fa3,fa3-det", "--modes", "bwd", "--head-dims", "64"])
+    impls = dict((label, f) for label, f, _ in benchmark.implementations(args))
+    assert list(impls) == ["fa3", "fa3-det"]
+    q = torch.ones(1, 4, 2, 64, dtype=torch.bfloat16)
+    for label in ("fa3", "fa3-det"):
+        assert torch.equal(impls[label](False)(q, q, q), q * 2)
+    assert calls == [(False, False), (False, True)]
+
+
 def _bench_script(name):
     import importlib.util
     import os
