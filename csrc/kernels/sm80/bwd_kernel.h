@@ -87,6 +87,11 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1) bwd_kernel(con
   };
   using QTile = Shape<Int<kBlockM>, Int<kHeadDim>>;
   using KTile = Shape<Int<kBlockN>, Int<kHeadDim>>;
+  // Key block `at.block` of (key, d) tensor t (K, V, dK or dV) of the sequence `in`.
+  auto key_tile = [&](const TensorRef4& t, const SeqInfo& in, const TileCoord& at) {
+    return local_tile(rows_tensor(in.k_rows<Element>(p, t, at.head), in.seqlen_k, t.row_stride), KTile{},
+                      make_coord(at.block, 0));
+  };
 
   const BwdWorkspace ws = bwd_workspace_layout(p, params.deterministic);
   char* workspace = static_cast<char*>(params.workspace);
@@ -113,10 +118,8 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1) bwd_kernel(con
     // their addresses were held across it and spilled (48 B at d = 64, 92 B at d = 256, sm_80).
     const TileCoord kv = Scheduler::get_here(/*longest_first=*/false);
     const SeqInfo kv_seq(p, kv.batch);
-    Tensor gK = local_tile(rows_tensor(kv_seq.k_rows<Element>(p, params.k, kv.head), kv_seq.seqlen_k, params.k.row_stride),
-                           KTile{}, make_coord(kv.block, 0));
-    Tensor gV = local_tile(rows_tensor(kv_seq.k_rows<Element>(p, params.v, kv.head), kv_seq.seqlen_k, params.v.row_stride),
-                           KTile{}, make_coord(kv.block, 0));
+    Tensor gK = key_tile(params.k, kv_seq, kv);
+    Tensor gV = key_tile(params.v, kv_seq, kv);
     if (g > 0) __syncthreads();  // the last head's final reads of shared memory are done
     Mainloop::run(gQ, gdO, gK, gV, dq_accum, lse, dpsum, smem, mask, Softcap(p), Alibi(p, tile.batch, head),
                   Dropout(p, tile.batch, head), n_block, m_min, m_max,
@@ -125,10 +128,8 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1) bwd_kernel(con
   // dK and dV's addresses and rows likewise from the tile read after the loop.
   const TileCoord out = Scheduler::get_here(/*longest_first=*/false);
   const SeqInfo out_seq(p, out.batch);
-  Tensor gdK = local_tile(rows_tensor(out_seq.k_rows<Element>(p, params.dk, out.head), out_seq.seqlen_k, params.dk.row_stride),
-                          KTile{}, make_coord(out.block, 0));
-  Tensor gdV = local_tile(rows_tensor(out_seq.k_rows<Element>(p, params.dv, out.head), out_seq.seqlen_k, params.dv.row_stride),
-                          KTile{}, make_coord(out.block, 0));
+  Tensor gdK = key_tile(params.dk, out_seq, out);
+  Tensor gdV = key_tile(params.dv, out_seq, out);
   Epilogue::store(acc_dk, acc_dv, gdK, gdV, p.softmax_scale, Dropout::keep_scale(p), smem,
                   out_seq.seqlen_k - out.block * kBlockN);
 }

@@ -1,8 +1,9 @@
 // sm90 backward kernel, composed as bwd_kernel<Mainloop, Epilogue, Scheduler>: one block per (key
 // block, kv head, batch), warp-specialized. Warpgroup 0 loads (one thread: K, V, then Q and LSE
 // per step; another: dO and D), and its warp 2 is the dQ warp: in the keys-per-warpgroup layout
-// it adds dQ to the workspace, in the split-d layout it passes the deterministic turns; warpgroups 1.. run the wgmma mainloop (bwd_mainloop.h: each owns 64 of the
-// block's keys; bwd_mainloop_split_d.h: each owns half the head dim) over every query head of the
+// it adds dQ to the workspace, in the split-d layout it passes the deterministic turns.
+// Warpgroups 1.. run the wgmma mainloop (bwd_mainloop.h: each owns 64 of the block's keys;
+// bwd_mainloop_split_d.h: each owns half the head dim) over every query head of the
 // kv head's group, so GQA/MQA dK and dV are summed in registers in a fixed order and written once.
 #pragma once
 

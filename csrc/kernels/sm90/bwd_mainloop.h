@@ -126,6 +126,14 @@ struct BwdMainloop {
     }
   }
 
+  // The first row of this key block's dQ group's copy of query head h in the workspace
+  // (BwdWorkspace::dq_group_row; the group is 0 unless deterministic).
+  template <typename Params>
+  __device__ static int64_t dq_row(const Params& params, const BwdSteps& steps, int h, int n_block) {
+    return SeqInfo(params.problem, steps.batch).workspace_row(params.problem, params.rows_per_head, h) +
+           (n_block % params.dq_groups) * params.dq_group_rows;
+  }
+
   // ---- dQ warp ----
 
   // Its lane 0 is the dQ thread.
@@ -326,12 +334,10 @@ struct BwdMainloop {
         // The dQ thread has read this buffer's last dQ (step i - kdQBuffers).
         if (i >= Traits::kdQBuffers) shared.dq_empty[dq_buf].wait((i / Traits::kdQBuffers - 1) & 1);
         if (tid == 0) {
-          // This key block's dQ group's rows (BwdWorkspace::dq_group_row; 0 unless deterministic).
-          const int64_t dq_row = SeqInfo(params.problem, steps.batch).workspace_row(params.problem, params.rows_per_head, h) +
-                                 (n_block % params.dq_groups) * params.dq_group_rows;
-          DqTarget target{params.dq_accum + (dq_row + int64_t(m) * kBlockM) * kHeadDim, nullptr, 0};
+          const int64_t row = dq_row(params, steps, h, n_block);
+          DqTarget target{params.dq_accum + (row + int64_t(m) * kBlockM) * kHeadDim, nullptr, 0};
           if (params.dq_semaphore != nullptr) {
-            target.semaphore = DqSemaphore{params.dq_semaphore}.at<kBlockM>(dq_row, m);
+            target.semaphore = DqSemaphore{params.dq_semaphore}.at<kBlockM>(row, m);
             target.turn = DqSemaphore::turn<kBlockM, kBlockN>(mask, m, n_block, params.dq_groups);
           }
           shared.dq_target[dq_buf] = target;

@@ -37,13 +37,7 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_, Features_> {
   // The consumers and the dQ warp, at the deterministic turn's two barriers.
   static constexpr int kTurnThreads = Traits::kNMmaThreads + 32;
 
-  // The first row of this key block's dQ group's copy of query head h in the workspace
-  // (BwdWorkspace::dq_group_row; the group is 0 unless deterministic).
-  template <typename Params>
-  __device__ static int64_t dq_row(const Params& params, const BwdSteps& steps, int h, int n_block) {
-    return SeqInfo(params.problem, steps.batch).workspace_row(params.problem, params.rows_per_head, h) +
-           (n_block % params.dq_groups) * params.dq_group_rows;
-  }
+  using Base::dq_row;
 
   // ---- dQ warp (deterministic mode only) ----
 
