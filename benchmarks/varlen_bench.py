@@ -10,7 +10,8 @@ filled (the last one cut to fit). TFLOPS count only the documents' own work, sum
 of FlashAttention's count (4 * H * L^2 * D, halved when causal; fwd+bwd 3.5x). The dense reference
 runs tokens / mean_len sequences of the mean length. ours-sm80 is the sm80 family on the same dense
 problem (variable-length batches run on it until the sm90 family takes them). FlashAttention-3
-(flash_attn_interface.flash_attn_varlen_func) runs beside ours where it imports.
+(flash_attn_interface.flash_attn_varlen_func) runs beside ours where it imports; ours-det is ours
+with deterministic=True.
 """
 import argparse
 import random
@@ -77,6 +78,10 @@ def main(argv=None):
             "ours": (lambda q, k, v: cutlass_flash.flash_attn_varlen_func(
                         q, k, v, cu, cu, longest, longest, causal=args.causal),
                      lambda q, k, v: cutlass_flash.flash_attn_func(q, k, v, causal=args.causal)),
+            "ours-det": (lambda q, k, v: cutlass_flash.flash_attn_varlen_func(
+                            q, k, v, cu, cu, longest, longest, causal=args.causal, deterministic=True),
+                         lambda q, k, v: cutlass_flash.flash_attn_func(q, k, v, causal=args.causal,
+                                                                       deterministic=True)),
         }
         if (80, "fwd", hd, "bf16") in cutlass_flash.built_kernels():  # a build restricted to sm90 has none
             impls["ours-sm80"] = (None, lambda q, k, v: _forced(80, q, k, v, args.causal))
