@@ -3,9 +3,11 @@
 // own fp32 copy of dQ (BwdWorkspace::dq_group_row); the dQ conversion sums the copies in group
 // order. Per group and query tile an int in the workspace counts the group's key blocks that have
 // added their dQ; key block n adds its share once every lower key block of its group that sees the
-// tile has (FlashAttention-3's scheme, on chains a quarter as long). Deadlock-free because a block
-// only ever waits for blocks of lower key index of the same (head, batch), which the hardware
-// starts first: the grids put the key block in blockIdx.x.
+// tile has (FlashAttention-3's scheme, on chains a quarter as long); the sm90 backward under a
+// right-bounded mask takes them in decreasing order instead (sm90::BwdSteps). Deadlock-free
+// because a block only ever waits for blocks of the same (head, batch) launched before it, which
+// the hardware starts first: the grids put the key block in blockIdx.x, reversed for the
+// decreasing order.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -26,12 +28,15 @@ struct DqSemaphore {
     return counts + (bh_row + int64_t(m_block) * kBlockM) / kBwdSemaphoreRows;
   }
 
-  // How many key blocks of n_block's group below it add to query tile m_block: those whose query
-  // range (WindowMask::m_block_range, the same function that bounds their loops) contains it.
+  // How many key blocks of n_block's group add to query tile m_block before it: those below it
+  // (above it when `descending`, the order of sm90::BwdSteps::upward) whose query range
+  // (WindowMask::m_block_range, the same function that bounds their loops) contains it.
   template <int kBlockM, int kBlockN>
-  __device__ static int turn(const WindowMask& mask, int m_block, int n_block, int groups) {
+  __device__ static int turn(const WindowMask& mask, int m_block, int n_block, int groups, bool descending = false) {
+    const int n_begin = descending ? n_block + groups : n_block % groups;
+    const int n_end = descending ? (mask.seqlen_k + kBlockN - 1) / kBlockN : n_block;
     int count = 0;
-    for (int n = n_block % groups; n < n_block; n += groups) {
+    for (int n = n_begin; n < n_end; n += groups) {
       int m_min, m_max;
       mask.m_block_range<kBlockM, kBlockN>(n, m_min, m_max);
       count += m_min <= m_block && m_block < m_max;
@@ -39,7 +44,7 @@ struct DqSemaphore {
     return count;
   }
 
-  // One thread: spins until `sem` reaches `value` (acquire).
+  // Spins until `sem` reaches `value` (acquire); one thread, or a warp on one address.
   __device__ static void wait(const int* sem, int value) {
     int seen;
     do {

@@ -37,10 +37,23 @@ using namespace cute;
 // walked upwards, key block n waited for blocks 0 .. n - 1 to walk 2n steps (0.51-0.70x the
 // default order's speed, PERFLOG.md entry 19). The order of the additions, and so the bits, do
 // not change.
+//
+// Deterministic mode under a right-bounded mask (causal, or a window with a right edge) reverses
+// both: key block n's query range starts about r n blocks up (r = kBlockN / kBlockM), so walked
+// upwards from its first query block, each block reaches a query block r steps after the block
+// above it did, and the fixed order is decreasing n (FlashAttention-3's): the block on the
+// diagonal adds first, and each block finds its turn already passed instead of waiting for the
+// block below it every step (PERFLOG.md entry 61). The blocks are then launched highest first
+// (bwd_kernel.h), so a block waits only for blocks started before it.
 struct BwdSteps {
-  int batch, head_begin, heads, m_min, m_max;
+  int batch, head_begin, heads, m_min, m_max;  // m_min <= m_max
+  int step = -1;                               // +1: upward
 
-  __device__ int count() const { return m_max > m_min ? heads * (m_max - m_min) : 0; }
+  __device__ bool upward() const { return step > 0; }
+  __device__ int count() const { return heads * (m_max - m_min); }
+  // The walk is m = first(), first() + step, ... while m != end().
+  __device__ int first() const { return upward() ? m_min : m_max - 1; }
+  __device__ int end() const { return upward() ? m_max : m_min - 1; }
 };
 
 // Position of a consumer thread's i-th dQ accumulator in the fp32 staging tile (and in the
@@ -116,7 +129,7 @@ struct BwdMainloop {
       auto [tg, ts] = tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
       const float* row_stats = stats + seq.workspace_row(p, rows_per_head, h);
 #pragma unroll 1
-      for (int mb = steps.m_max - 1; mb >= steps.m_min; --mb) {
+      for (int mb = steps.first(), end = steps.end(); mb != end; mb += steps.step) {
         pipeline.producer_acquire(st);
         uint64_t& barrier = *pipeline.producer_get_barrier(st);
         copy(tma.with(barrier, 0), tg(_, mb), ts(_, st.index()));
@@ -307,7 +320,7 @@ struct BwdMainloop {
       const Alibi alibi(params.problem, steps.batch, h);
       const Dropout dropout(params.problem, steps.batch, h);
 #pragma unroll 1
-      for (int m = steps.m_max - 1; m >= steps.m_min; --m, ++i) {
+      for (int m = steps.first(), end = steps.end(); m != end; m += steps.step, ++i) {
         const int buf = i % Traits::kdSBuffers;
         Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
         Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
@@ -338,7 +351,7 @@ struct BwdMainloop {
           DqTarget target{params.dq_accum + (row + int64_t(m) * kBlockM) * kHeadDim, nullptr, 0};
           if (params.dq_semaphore != nullptr) {
             target.semaphore = DqSemaphore{params.dq_semaphore}.at<kBlockM>(row, m);
-            target.turn = DqSemaphore::turn<kBlockM, kBlockN>(mask, m, n_block, params.dq_groups);
+            target.turn = DqSemaphore::turn<kBlockM, kBlockN>(mask, m, n_block, params.dq_groups, steps.upward());
           }
           shared.dq_target[dq_buf] = target;
         }

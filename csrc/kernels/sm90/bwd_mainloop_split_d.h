@@ -53,24 +53,40 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_, Features_> {
   __device__ static void dq_warp(const Params& params, typename Traits::SharedStorage&, const BwdSteps& steps,
                                  const WindowMask& mask, int n_block) {
     if (params.dq_semaphore == nullptr || steps.count() == 0) return;
+    // The walk's direction as a template parameter: as a runtime value beside the turn count's
+    // loop it spilled 12 B at the producer's 24 registers.
+    if (steps.upward())
+      pass_turns<true>(params, steps, mask, n_block);
+    else
+      pass_turns<false>(params, steps, mask, n_block);
+  }
+
+  template <bool kUpward, typename Params>
+  __device__ static void pass_turns(const Params& params, const BwdSteps& steps, const WindowMask& mask, int n_block) {
     const bool leader = threadIdx.x % 32 == 0;
-    auto turn = [&](int m) { return DqSemaphore::turn<kBlockM, kBlockN>(mask, m, n_block, params.dq_groups); };
+    auto turn = [&](int m) { return DqSemaphore::turn<kBlockM, kBlockN>(mask, m, n_block, params.dq_groups, kUpward); };
+    const int first = kUpward ? steps.m_min : steps.m_max - 1;
+    const int end = kUpward ? steps.m_max : steps.m_min - 1;
     // A head's rows follow the previous head's at rows_per_head (SeqInfo::workspace_row, both
     // layouts): one running row instead of the sequence's offsets, which spilled 12 B at the
     // producer's 24 registers.
     int64_t row = dq_row(params, steps, steps.head_begin, n_block);
-    int m = steps.m_max - 1, h = 0;
+    int m = first, h = 0;
     int next_turn = turn(m);
 #pragma unroll 1
     while (true) {
       int* semaphore = DqSemaphore{params.dq_semaphore}.at<kBlockM>(row, m);
-      if (leader) DqSemaphore::wait(semaphore, next_turn);
-      __syncwarp();
+      // Every lane polls (one address: one request for the warp), so no branch on the lane: with
+      // lane 0 polling alone the compiler lost track of the warp's convergence once the walk had
+      // two directions (a divergence check and a re-read of the thread index on each step's
+      // path; deterministic d = 256 0.93-0.97x without a causal mask, PERFLOG.md entry 62).
+      DqSemaphore::wait(semaphore, next_turn);
       cutlass::arch::NamedBarrier::arrive(kTurnThreads, int(BwdBarrier::kdQTurn));
       // The next step's turn is counted while the consumers add this one's: the count walks the
-      // group's lower key blocks (up to 32 at 8k keys), about as long as a poll of L2.
-      if (--m < steps.m_min) {
-        m = steps.m_max - 1;
+      // group's other key blocks (up to 32 at 8k keys), about as long as a poll of L2.
+      m += kUpward ? 1 : -1;
+      if (m == end) {
+        m = first;
         row += params.rows_per_head;
         ++h;
       }
@@ -128,7 +144,7 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_, Features_> {
       const Alibi alibi(params.problem, steps.batch, h);
       const Dropout dropout(params.problem, steps.batch, h);
 #pragma unroll 1
-      for (int m = steps.m_max - 1; m >= steps.m_min; --m, ++i) {
+      for (int m = steps.first(), end = steps.end(); m != end; m += steps.step, ++i) {
         const int buf = i % Traits::kdSBuffers;
         Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
         Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
