@@ -151,11 +151,18 @@ BWD_DQ_GROUPS = 4
 # (d = 192 / 256) gained from them at 8k keys (+30-47%, 0.39-0.51 -> 0.57-0.61) once its
 # consumers no longer waited for their own reductions every step (PERFLOG 52).
 BWD_DQ_GROUPS_MIN_SEQLEN_K = 4096
+# ... and, in the sm90 family, from 8k keys under a right-bounded mask (causal, or a window with a right edge), where
+# one copy lets the sm90 backward walk upwards (FlashAttention-3's causal order, sm90/bwd_kernel.h):
+# at 4k keys, causal, that measured +12% (d = 128) and +19% (d = 256) over 4 groups walking down,
+# d = 64 unchanged; at 8k the upward walk loses L2 locality (0.42-0.52x at d = 128 / 256, PERFLOG 62).
+BWD_DQ_GROUPS_MIN_SEQLEN_K_RIGHT_BOUNDED = 8192
 
 
-def bwd_dq_groups(seqlen_k: int, deterministic: bool) -> int:
+def bwd_dq_groups(seqlen_k: int, deterministic: bool, window_right: int = -1, arch: int = 90) -> int:
     """dQ copies of a backward call (the same rule as the generated bwd_dq_groups)."""
-    return BWD_DQ_GROUPS if deterministic and seqlen_k >= BWD_DQ_GROUPS_MIN_SEQLEN_K else 1
+    bounded = arch == 90 and window_right >= 0
+    min_k = BWD_DQ_GROUPS_MIN_SEQLEN_K_RIGHT_BOUNDED if bounded else BWD_DQ_GROUPS_MIN_SEQLEN_K
+    return BWD_DQ_GROUPS if deterministic and seqlen_k >= min_k else 1
 # (array, element type, elements per rounded query row: (multiplier, divisor) with the multiplier
 # "head_dim" or 1, present only in deterministic mode, one copy per dQ group in deterministic
 # mode). Arrays follow each other in this order.
@@ -173,14 +180,15 @@ def _round_rows(n: int) -> int:
 
 
 def bwd_workspace_bytes(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, head_dim: int,
-                        deterministic: bool, total_q: Optional[int] = None) -> int:
+                        deterministic: bool, total_q: Optional[int] = None, window_right: int = -1,
+                        arch: int = 90) -> int:
     """Bytes of backward scratch (the same arithmetic as the generated C++ layout); total_q:
     the packed rows of a variable-length batch (seqlen_q, seqlen_k then the longest lengths)."""
     if total_q is None:
         rows = batch * nheads * _round_rows(seqlen_q)
     else:
         rows = nheads * (_round_rows(total_q) + batch * BWD_ROW_ALIGN)
-    groups = 1 if total_q is not None else bwd_dq_groups(seqlen_k, deterministic)
+    groups = 1 if total_q is not None else bwd_dq_groups(seqlen_k, deterministic, window_right, arch)
     total = 0
     for _, ctype, per_row, det_only, grouped in BWD_WORKSPACE_ARRAYS:
         mul, div = per_row
@@ -225,6 +233,7 @@ constexpr size_t kBwdArrayAlign = {BWD_ARRAY_ALIGN};
 constexpr int kBwdSemaphoreRows = {BWD_SEMAPHORE_ROWS};
 constexpr int kBwdDqGroups = {BWD_DQ_GROUPS};
 constexpr int kBwdDqGroupsMinSeqlenK = {BWD_DQ_GROUPS_MIN_SEQLEN_K};
+constexpr int kBwdDqGroupsMinSeqlenKRightBounded = {BWD_DQ_GROUPS_MIN_SEQLEN_K_RIGHT_BOUNDED};
 constexpr size_t kFwdWorkspaceAlign = {FWD_WORKSPACE_ALIGN};
 
 struct BwdWorkspace {{
@@ -245,12 +254,15 @@ CUTLASS_FLASH_HOST_DEVICE inline size_t align_up(size_t x, size_t a) {{ return (
 
 // kBwdDqGroups copies where key blocks are many enough for the shorter chains to pay (see
 // csrc/generate.py), else 1. Variable-length batches take 1: a rule on the longest sequence would
-// give one sequence other bits alone than inside a batch.
-CUTLASS_FLASH_HOST_DEVICE inline int bwd_dq_groups(const AttnProblem& p, bool deterministic) {{
-  return deterministic && !p.is_varlen() && p.seqlen_k >= kBwdDqGroupsMinSeqlenK ? kBwdDqGroups : 1;
+// give one sequence other bits alone than inside a batch. arch: the family that runs the call
+// (80 / 90); the sm90 backward keeps one copy longer under a right-bounded mask, where it walks
+// upwards.
+CUTLASS_FLASH_HOST_DEVICE inline int bwd_dq_groups(const AttnProblem& p, bool deterministic, int arch) {{
+  const int min_k = arch == 90 && p.window_right >= 0 ? kBwdDqGroupsMinSeqlenKRightBounded : kBwdDqGroupsMinSeqlenK;
+  return deterministic && !p.is_varlen() && p.seqlen_k >= min_k ? kBwdDqGroups : 1;
 }}
 
-CUTLASS_FLASH_HOST_DEVICE inline BwdWorkspace bwd_workspace_layout(const AttnProblem& p, bool deterministic) {{
+CUTLASS_FLASH_HOST_DEVICE inline BwdWorkspace bwd_workspace_layout(const AttnProblem& p, bool deterministic, int arch) {{
   BwdWorkspace w{{}};
   w.seqlen_q_rounded = (int64_t(p.seqlen_q) + kBwdRowAlign - 1) / kBwdRowAlign * kBwdRowAlign;
   if (p.is_varlen()) {{
@@ -261,7 +273,7 @@ CUTLASS_FLASH_HOST_DEVICE inline BwdWorkspace bwd_workspace_layout(const AttnPro
     w.rows_per_head = w.seqlen_q_rounded;
     w.rows = int64_t(p.batch) * p.nheads * w.rows_per_head;
   }}
-  w.dq_groups = bwd_dq_groups(p, deterministic);
+  w.dq_groups = bwd_dq_groups(p, deterministic, arch);
   const size_t rows = size_t(w.rows);
   size_t off = 0;
 {steps}  w.total_bytes = off;

@@ -87,7 +87,7 @@ class FakeC:
         assert isinstance(deterministic, bool)
         return _generator().bwd_workspace_bytes(
             p["batch"], p["nheads"], p["seqlen_q"], p["seqlen_k"], p["head_dim"], deterministic,
-            total_q=p["total_q"] if p["cu_seqlens_q"] else None,
+            total_q=p["total_q"] if p["cu_seqlens_q"] else None, window_right=p["window_right"], arch=p["arch"],
         )
 
     def fwd_workspace_bytes(self, **kw):

@@ -50,11 +50,16 @@ def test_workspace_bytes_takes_our_kwargs():
             n = C.fwd_workspace_bytes(**p, arch=arch)
             assert isinstance(n, int) and n == (16 if arch == 90 else 0), (arch, n)
             continue
-        # the backward's: the generator's table, which the C++ layout is written from
+        # the backward's: the generator's table, which the C++ layout is written from; the dQ
+        # groups' rule reads the keys and the mask's right edge
         for deterministic in (False, True):
-            n = C.bwd_workspace_bytes(**p, arch=arch, deterministic=deterministic)
-            assert n == gen.bwd_workspace_bytes(p["batch"], p["nheads"], p["seqlen_q"], p["seqlen_k"],
-                                                head_dim, deterministic), (arch, deterministic, n)
+            for seqlen_k in (p["seqlen_k"], gen.BWD_DQ_GROUPS_MIN_SEQLEN_K):
+                for window_right in (-1, 0):
+                    q = {**p, "seqlen_k": seqlen_k, "window_right": window_right}
+                    n = C.bwd_workspace_bytes(**q, arch=arch, deterministic=deterministic)
+                    assert n == gen.bwd_workspace_bytes(q["batch"], q["nheads"], q["seqlen_q"], seqlen_k, head_dim,
+                                                        deterministic, window_right=window_right, arch=arch), \
+                        (arch, deterministic, seqlen_k, window_right, n)
 
 
 def test_fwd_and_bwd_take_our_kwargs():

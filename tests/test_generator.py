@@ -108,6 +108,17 @@ def test_backward_workspace_table():
         rows * (256 * groups + 2) * 4 + rows * groups // 64 * 4
     assert gen.bwd_dq_groups(long_k, True) == groups and gen.bwd_dq_groups(long_k, False) == 1
     assert gen.bwd_dq_groups(long_k - 1, True) == 1
+    # Under a right-bounded mask (causal: window_right = 0) the groups start later, where one copy
+    # lets the sm90 backward walk upwards.
+    bounded_k = gen.BWD_DQ_GROUPS_MIN_SEQLEN_K_RIGHT_BOUNDED
+    assert bounded_k > long_k
+    assert gen.bwd_dq_groups(long_k, True, window_right=0) == 1
+    assert gen.bwd_dq_groups(bounded_k - 1, True, window_right=0) == 1
+    assert gen.bwd_dq_groups(bounded_k, True, window_right=0) == groups
+    assert gen.bwd_dq_groups(long_k, True, window_right=-1) == groups
+    assert gen.bwd_dq_groups(long_k, True, window_right=0, arch=80) == groups  # sm80 walks down
+    assert gen.bwd_workspace_bytes(2, 16, 1000, long_k, 128, True, window_right=0) == \
+        rows * (128 + 2) * 4 + rows // 64 * 4
     assert gen.bwd_workspace_bytes(2, 16, 1000, long_k - 1, 128, True) == \
         rows * (128 + 2) * 4 + rows // 64 * 4
 

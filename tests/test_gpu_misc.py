@@ -13,9 +13,10 @@ from cases import Case, make_dout, make_inputs, kernel_archs
 from fake_c import _generator
 from gpu_check import OUTPUT_NAMES, check_case, skip_if_not_built
 
-# Keys from which deterministic mode splits dQ into groups (csrc/generate.py): the tests below run
-# one size under it and one over.
+# Keys from which deterministic mode splits dQ into groups (csrc/generate.py), without a mask and
+# under a causal one: the tests below run one size under it and one over.
 GROUPED_KEYS = _generator().BWD_DQ_GROUPS_MIN_SEQLEN_K + 1
+GROUPED_KEYS_CAUSAL = _generator().BWD_DQ_GROUPS_MIN_SEQLEN_K_RIGHT_BOUNDED + 1
 
 pytestmark = pytest.mark.gpu
 
@@ -147,14 +148,15 @@ def _grads(case, q, k, v, dout, deterministic):
     return torch.autograd.grad(out, (qg, kg, vg), dout)
 
 
-@pytest.mark.parametrize("seqlen_k", [2047, GROUPED_KEYS], ids=lambda n: f"k{n}")
+@pytest.mark.parametrize("keys", ["one_chain", "grouped"])
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["nomask", "causal"])
 @pytest.mark.parametrize("arch", kernel_archs(), ids=lambda a: f"sm{a}")
-def test_backward_deterministic(arch, causal, head_dim, seqlen_k):
+def test_backward_deterministic(arch, causal, head_dim, keys):
     """deterministic=True: dq/dk/dv bit-identical over repeated runs, and a sequence's gradients
     the same bits alone as inside a batch. GQA, so dK/dV sum a group; 2047 keys: many key blocks
-    add to each dQ tile, in one chain; GROUPED_KEYS: in dQ groups (d <= 128)."""
+    add to each dQ tile, in one chain (causal on sm90: walking upwards); grouped: in dQ groups."""
+    seqlen_k = 2047 if keys == "one_chain" else GROUPED_KEYS_CAUSAL if causal else GROUPED_KEYS
     case = Case(3, 1023, seqlen_k, 8, 2, head_dim, "bf16", causal, arch)
     skip_if_not_built(case)
     q, k, v = (t.detach() for t in make_inputs(case, "cuda"))
@@ -177,7 +179,8 @@ def test_backward_deterministic(arch, causal, head_dim, seqlen_k):
 @pytest.mark.parametrize("arch", kernel_archs(), ids=lambda a: f"sm{a}")
 def test_backward_deterministic_window(arch, window):
     """deterministic=True under sliding windows, where each key block adds to its own range of
-    query tiles (the fixed order's turns count only the blocks that see a tile), in dQ groups."""
+    query tiles (the fixed order's turns count only the blocks that see a tile): with a right edge
+    in one chain (on sm90 walking upwards), without one ((0, -1)) in dQ groups."""
     case = Case(2, 1500, GROUPED_KEYS, 4, 2, 128, "bf16", False, arch, window=window)
     skip_if_not_built(case)
     q, k, v = (t.detach() for t in make_inputs(case, "cuda"))

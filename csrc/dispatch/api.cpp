@@ -300,7 +300,7 @@ size_t bwd_workspace_bytes(const AttnProblem& problem, int arch, bool determinis
     return 0;
   const dispatch::CatalogFamily* fam = dispatch::find_family(arch);
   if (fam == nullptr || !fam->has_bwd) return 0;  // no backward kernel in that family
-  return bwd_workspace_layout(problem, deterministic).total_bytes;
+  return bwd_workspace_layout(problem, deterministic, arch).total_bytes;
 }
 
 const std::vector<KernelKey>& built_kernels() {

@@ -22,6 +22,7 @@ constexpr size_t kBwdArrayAlign = 256;
 constexpr int kBwdSemaphoreRows = 64;
 constexpr int kBwdDqGroups = 4;
 constexpr int kBwdDqGroupsMinSeqlenK = 4096;
+constexpr int kBwdDqGroupsMinSeqlenKRightBounded = 8192;
 constexpr size_t kFwdWorkspaceAlign = 16;
 
 struct BwdWorkspace {
@@ -46,12 +47,15 @@ CUTLASS_FLASH_HOST_DEVICE inline size_t align_up(size_t x, size_t a) { return (x
 
 // kBwdDqGroups copies where key blocks are many enough for the shorter chains to pay (see
 // csrc/generate.py), else 1. Variable-length batches take 1: a rule on the longest sequence would
-// give one sequence other bits alone than inside a batch.
-CUTLASS_FLASH_HOST_DEVICE inline int bwd_dq_groups(const AttnProblem& p, bool deterministic) {
-  return deterministic && !p.is_varlen() && p.seqlen_k >= kBwdDqGroupsMinSeqlenK ? kBwdDqGroups : 1;
+// give one sequence other bits alone than inside a batch. arch: the family that runs the call
+// (80 / 90); the sm90 backward keeps one copy longer under a right-bounded mask, where it walks
+// upwards.
+CUTLASS_FLASH_HOST_DEVICE inline int bwd_dq_groups(const AttnProblem& p, bool deterministic, int arch) {
+  const int min_k = arch == 90 && p.window_right >= 0 ? kBwdDqGroupsMinSeqlenKRightBounded : kBwdDqGroupsMinSeqlenK;
+  return deterministic && !p.is_varlen() && p.seqlen_k >= min_k ? kBwdDqGroups : 1;
 }
 
-CUTLASS_FLASH_HOST_DEVICE inline BwdWorkspace bwd_workspace_layout(const AttnProblem& p, bool deterministic) {
+CUTLASS_FLASH_HOST_DEVICE inline BwdWorkspace bwd_workspace_layout(const AttnProblem& p, bool deterministic, int arch) {
   BwdWorkspace w{};
   w.seqlen_q_rounded = (int64_t(p.seqlen_q) + kBwdRowAlign - 1) / kBwdRowAlign * kBwdRowAlign;
   if (p.is_varlen()) {
@@ -62,7 +66,7 @@ CUTLASS_FLASH_HOST_DEVICE inline BwdWorkspace bwd_workspace_layout(const AttnPro
     w.rows_per_head = w.seqlen_q_rounded;
     w.rows = int64_t(p.batch) * p.nheads * w.rows_per_head;
   }
-  w.dq_groups = bwd_dq_groups(p, deterministic);
+  w.dq_groups = bwd_dq_groups(p, deterministic, arch);
   const size_t rows = size_t(w.rows);
   size_t off = 0;
   w.dq_accum_offset = off;

@@ -23,17 +23,18 @@ struct BwdPreprocess {
   static constexpr int kRowsPerBlock = 64;
   static_assert(kBwdRowAlign % kRowsPerBlock == 0 && kRowsPerBlock % kBwdSemaphoreRows == 0);
 
-  static dim3 grid(const BwdParams& params) {
-    const BwdWorkspace ws = bwd_workspace_layout(params.problem, params.deterministic);
+  static dim3 grid(const BwdParams& params, int arch) {
+    const BwdWorkspace ws = bwd_workspace_layout(params.problem, params.deterministic, arch);
     return dim3(unsigned(ws.seqlen_q_rounded / kRowsPerBlock), params.problem.nheads, params.problem.batch);
   }
 };
 
-template <int kHeadDim, typename Element>
+// kArch: the family whose main kernel follows (its dQ groups, bwd_workspace_layout).
+template <int kArch, int kHeadDim, typename Element>
 __global__ void __launch_bounds__(BwdPreprocess::kWarps * 32) bwd_preprocess_kernel(const __grid_constant__ BwdParams params) {
   constexpr int kRows = BwdPreprocess::kRowsPerBlock, kThreads = BwdPreprocess::kWarps * 32;
   const AttnProblem& p = params.problem;
-  const BwdWorkspace ws = bwd_workspace_layout(p, params.deterministic);
+  const BwdWorkspace ws = bwd_workspace_layout(p, params.deterministic, kArch);
   const int head = blockIdx.y;
   const SeqInfo seq(p, blockIdx.z);
   // Every row the main kernels read: the sequence's rows rounded up to whole query tiles.

@@ -39,10 +39,10 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
   // first. Deterministic mode relies on the blocks a block waits for starting first
   // (common/dq_semaphore.h): under a right-bounded mask it adds dQ in decreasing key-block order
   // (BwdSteps::upward) and launches the highest block first. Only with one dQ copy (below
-  // kBwdDqGroupsMinSeqlenK keys, and variable-length batches): the blocks in flight then read Q,
-  // dO and dQ from all of a head's query blocks instead of a band of them, and at 8k keys the
-  // upward walk measured 0.42-0.52x of the default speed at d = 128 / 256 where the downward walk
-  // with four dQ copies keeps 0.77-0.81x (PERFLOG.md entry 62).
+  // kBwdDqGroupsMinSeqlenKRightBounded = 8k keys, and variable-length batches): the blocks in
+  // flight then read Q, dO and dQ from all of a head's query blocks instead of a band of them, and
+  // at 8k keys the upward walk measured 0.42-0.52x of the default speed at d = 128 / 256 where the
+  // downward walk with four dQ copies keeps 0.77-0.81x (PERFLOG.md entry 62).
   const bool upward = params.dq_semaphore != nullptr && p.window_right >= 0 && params.dq_groups == 1;
   const TileCoord tile = Scheduler::get(/*longest_first=*/upward);
   const int n_block = tile.block, head_kv = tile.head;
