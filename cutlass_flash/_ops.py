@@ -184,6 +184,7 @@ def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
     dtype_name = _dispatch.DTYPE_NAMES[q.dtype]
     device = q.device
     arch = _dispatch.resolve_arch(arch, "bwd", padded, dtype_name, device, varlen is not None)
+    _validate.check_backward_family(arch, softcap, alibi_slopes)
     C = _dispatch.lib()
 
     pad = padded - head_dim
