@@ -73,6 +73,10 @@ class Family:
     fwd_workspace_bytes: int = 0
     # Directions whose kernels take variable-length batches (AttnProblem::cu_seqlens_q / _k).
     varlen: Tuple[str, ...] = ()
+    # Directions whose kernels take softcap and ALiBi in one call. The backwards recover tanh's
+    # value from P, which the bias shifts: the sm90 one adds it back; in the sm80 one, at 255
+    # registers, adding it back spilled 8 B (d = 64, sm_80) in every call, so it refuses the pair.
+    softcap_alibi: Tuple[str, ...] = ("fwd", "bwd")
 
     def head_dims_for(self, direction: str) -> Tuple[int, ...]:
         if direction == "bwd" and self.bwd_head_dims is not None:
@@ -97,7 +101,7 @@ FAMILIES: Tuple[Family, ...] = (
     Family(arch=80, directions=("fwd", "bwd"), head_dims=HEAD_DIMS,
            sass_default=("80", "90"),
            sass_allowed=tuple(s for s in KNOWN_SASS if s != "90a"),
-           varlen=("fwd", "bwd")),
+           varlen=("fwd", "bwd"), softcap_alibi=("fwd",)),
     # Hopper (FlashAttention-3-style: TMA, wgmma, warp specialization). wgmma and setmaxnreg
     # exist only in the arch-specific sm_90a target.
     # CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED: wgmma atoms with N = 80, 112, ... (else CuTe splits
@@ -342,6 +346,9 @@ FWD_WORKSPACE_ALIGN = {FWD_WORKSPACE_ALIGN}
 
 #: family arch -> directions whose kernels take variable-length batches (cu_seqlens).
 VARLEN = {{{', '.join(f"{f.arch}: {f.varlen!r}" for f in FAMILIES)}}}
+
+#: family arch -> directions whose kernels take softcap and alibi_slopes in one call.
+SOFTCAP_ALIBI = {{{', '.join(f"{f.arch}: {f.softcap_alibi!r}" for f in FAMILIES)}}}
 
 #: Dropout's mask function: Philox4x32 rounds.
 DROPOUT_PHILOX_ROUNDS = {DROPOUT_PHILOX_ROUNDS}
@@ -687,7 +694,9 @@ def dispatch_table_source(insts: Sequence[Instantiation], knobs: Knobs) -> str:
         lines.append(f"    {{{f.arch}, {'true' if 'fwd' in f.directions else 'false'}, "
                      f"{'true' if 'bwd' in f.directions else 'false'}, kFamilyHeadDims{f.arch}, "
                      f"{len(f.head_dims)}, {_cxx_str(f.sass_knob)}, {f.fwd_workspace_bytes}, "
-                     f"{'true' if 'fwd' in f.varlen else 'false'}, {'true' if 'bwd' in f.varlen else 'false'}}},")
+                     f"{'true' if 'fwd' in f.varlen else 'false'}, {'true' if 'bwd' in f.varlen else 'false'}, "
+                     f"{'true' if 'fwd' in f.softcap_alibi else 'false'}, "
+                     f"{'true' if 'bwd' in f.softcap_alibi else 'false'}}},")
     lines += ["};", ""]
     lines.append(f"const int kArchs[] = {{{', '.join(map(str, knobs.archs))}}};")
     lines.append(f"const int kHeadDims[] = {{{', '.join(map(str, knobs.head_dims))}}};")

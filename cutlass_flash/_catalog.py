@@ -22,5 +22,8 @@ FWD_WORKSPACE_ALIGN = 16
 #: family arch -> directions whose kernels take variable-length batches (cu_seqlens).
 VARLEN = {80: ('fwd', 'bwd'), 90: ('fwd', 'bwd')}
 
+#: family arch -> directions whose kernels take softcap and alibi_slopes in one call.
+SOFTCAP_ALIBI = {80: ('fwd',), 90: ('fwd', 'bwd')}
+
 #: Dropout's mask function: Philox4x32 rounds.
 DROPOUT_PHILOX_ROUNDS = 7

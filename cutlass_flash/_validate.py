@@ -13,6 +13,7 @@ import os
 import torch
 
 from . import _dispatch
+from ._catalog import SOFTCAP_ALIBI
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -248,14 +249,16 @@ def check_alibi(alibi_slopes, batch, nheads, device):
         raise ValueError("alibi_slopes must have a contiguous last dimension; pass alibi_slopes.contiguous()")
 
 
-def check_backward_family(arch, softcap, alibi_slopes):
-    """Feature combinations a backward family has no path for: softcap with ALiBi in the sm80
-    backward (it recovers tanh's value from P, which the bias shifts; adding the bias back spilled
-    at its 255-register peak). The sm90 family runs both, and both forwards do."""
-    if arch == 80 and softcap > 0 and alibi_slopes is not None:
+def check_family_features(arch, direction, softcap, alibi_slopes):
+    """Feature combinations a family's kernels have no path for (the generator's SOFTCAP_ALIBI):
+    softcap with ALiBi in the sm80 backward, which recovers tanh's value from P, which the bias
+    shifts."""
+    if softcap > 0 and alibi_slopes is not None and direction not in SOFTCAP_ALIBI.get(arch, ()):
+        takers = sorted(a for a, dirs in SOFTCAP_ALIBI.items() if direction in dirs)
         raise NotImplementedError(
-            "cutlass_flash: the sm80 backward does not support softcap and alibi_slopes together "
-            "(the sm90 family does); pass one of them"
+            f"cutlass_flash: the sm{arch} {'backward' if direction == 'bwd' else 'forward'} does not support "
+            f"softcap and alibi_slopes together (the {', '.join(f'sm{a}' for a in takers)} family does); "
+            f"pass one of them"
         )
 
 

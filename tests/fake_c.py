@@ -33,7 +33,7 @@ def _generator():
         spec.loader.exec_module(mod)
     return sys.modules[name]
 from cutlass_flash._catalog import DTYPES as DTYPE_NAMES, FAMILIES, FWD_WORKSPACE_ALIGN, FWD_WORKSPACE_BYTES
-from cutlass_flash._catalog import HEAD_DIMS as INSTANTIATED, VARLEN
+from cutlass_flash._catalog import HEAD_DIMS as INSTANTIATED, SOFTCAP_ALIBI, VARLEN
 
 
 def all_kernels(archs=tuple(FAMILIES), head_dims=INSTANTIATED, dtypes=DTYPE_NAMES):
@@ -252,6 +252,8 @@ class FakeC:
             raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
         if kw["cu_seqlens_q"] and direction not in VARLEN.get(kw["arch"], ()):
             raise NotImplementedError(f"fake _C: sm{kw['arch']} has no variable-length {direction} kernel")
+        if kw["softcap"] > 0 and kw["alibi_slopes"] and direction not in SOFTCAP_ALIBI.get(kw["arch"], ()):
+            raise NotImplementedError(f"fake _C: sm{kw['arch']} {direction} takes no softcap with alibi_slopes")
         if kw["head_dim"] not in INSTANTIATED:
             raise ValueError(f"head_dim {kw['head_dim']} is not instantiated")
         if kw["dtype"] not in DTYPES:

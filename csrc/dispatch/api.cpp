@@ -204,9 +204,6 @@ Status check_problem(const AttnProblem& p, int arch, Direction dir) {
       return make(Status::kInvalidArgument, prefix(dir) + "total_q = " + to_string(p.total_q) + " and total_k = " +
                                                 to_string(p.total_k) + " must be positive");
   }
-  if (p.softcap > 0.f && p.alibi_slopes != nullptr)
-    return make(Status::kNotBuilt, prefix(dir) + "softcap and alibi_slopes together are not supported "
-                                                 "(the backward recovers tanh's value from P, which the bias shifts)");
   if (reinterpret_cast<uintptr_t>(p.alibi_slopes) % alignof(float) != 0 || p.alibi_batch_stride < 0)
     return make(Status::kInvalidArgument,
                 prefix(dir) + "alibi_slopes must be a 4-byte aligned float32 array with a batch stride >= 0");
@@ -219,6 +216,11 @@ Status check_problem(const AttnProblem& p, int arch, Direction dir) {
   if (fam == nullptr)
     return make(Status::kInvalidArgument, prefix(dir) + "unknown kernel family arch = " +
                                               to_string(arch) + " (known: " + known_families() + ")");
+  if (p.softcap > 0.f && p.alibi_slopes != nullptr &&
+      !(dir == Direction::kForward ? fam->softcap_alibi_fwd : fam->softcap_alibi_bwd))
+    return make(Status::kNotBuilt, prefix(dir) + "the sm" + to_string(arch) + " family's " + direction_word(dir) +
+                                       " does not take softcap and alibi_slopes together (it recovers tanh's value "
+                                       "from P, which the bias shifts)");
   if (p.is_varlen() && !(dir == Direction::kForward ? fam->varlen_fwd : fam->varlen_bwd))
     return make(Status::kNotBuilt, prefix(dir) + "the sm" + to_string(arch) +
                                        " family has no variable-length " + direction_word(dir) + " kernel (cu_seqlens)");
