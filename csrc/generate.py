@@ -73,10 +73,11 @@ class Family:
     fwd_workspace_bytes: int = 0
     # Directions whose kernels take variable-length batches (AttnProblem::cu_seqlens_q / _k).
     varlen: Tuple[str, ...] = ()
-    # Directions whose kernels take softcap and ALiBi in one call. The backwards recover tanh's
-    # value from P, which the bias shifts: the sm90 one adds it back; in the sm80 one, at 255
-    # registers, adding it back spilled 8 B (d = 64, sm_80) in every call, so it refuses the pair.
-    softcap_alibi: Tuple[str, ...] = ("fwd", "bwd")
+    # Directions whose kernels take softcap and ALiBi in one call: the forwards. The backwards
+    # recover tanh's value from P, which the bias shifts; adding it back cost the softcap backward
+    # without ALiBi 5-13% (sm90, d = 64 / 128) or spilled (sm80 at 255 registers, and sm90 d = 64
+    # as a separate branch) (PERFLOG.md entry 64).
+    softcap_alibi: Tuple[str, ...] = ("fwd",)
 
     def head_dims_for(self, direction: str) -> Tuple[int, ...]:
         if direction == "bwd" and self.bwd_head_dims is not None:
@@ -101,7 +102,7 @@ FAMILIES: Tuple[Family, ...] = (
     Family(arch=80, directions=("fwd", "bwd"), head_dims=HEAD_DIMS,
            sass_default=("80", "90"),
            sass_allowed=tuple(s for s in KNOWN_SASS if s != "90a"),
-           varlen=("fwd", "bwd"), softcap_alibi=("fwd",)),
+           varlen=("fwd", "bwd")),
     # Hopper (FlashAttention-3-style: TMA, wgmma, warp specialization). wgmma and setmaxnreg
     # exist only in the arch-specific sm_90a target.
     # CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED: wgmma atoms with N = 80, 112, ... (else CuTe splits

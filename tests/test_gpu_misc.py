@@ -407,3 +407,26 @@ def test_softcap_after_a_call_without(arch):
             same = reference_outputs(q, k, v, dout, softcap=cap)
             for name, o, s, r in zip(OUTPUT_NAMES, (out, lse) + grads, same, ref):
                 assert_within_tolerance(f"softcap={cap} {name}", o, s, r, slack=1e-3)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["nomask", "causal"])
+@pytest.mark.parametrize("arch", kernel_archs(), ids=lambda a: f"sm{a}")
+def test_softcap_with_alibi_forward(arch, causal, head_dim):
+    """softcap and ALiBi in one forward (tanh first, then the bias, FlashAttention-2's order), q
+    scaled so that tanh saturates, by the accuracy rule on out and lse; the backward refuses."""
+    case = Case(2, 239, 200, 4, 2, head_dim, "bf16", causal, arch, q_scale=4.0, softcap=5.0, alibi=2)
+    skip_if_not_built(case)
+    q, k, v = (t.detach() for t in make_inputs(case, "cuda"))
+    slopes = case.alibi_slopes("cuda")
+    with cutlass_flash.force_arch(arch):
+        ours = flash_attn_func(q, k, v, causal=causal, softcap=case.softcap, alibi_slopes=slopes, return_lse=True)
+    features = dict(window=case.mask, softcap=case.softcap, alibi_slopes=slopes)
+    dout = make_dout(case, "cuda")
+    ref = reference_outputs(q, k, v, dout, dtype=torch.float64, **features)
+    same = reference_outputs(q, k, v, dout, **features)
+    for name, o, s, r in zip(OUTPUT_NAMES[:2], ours, same, ref):
+        assert_within_tolerance(f"{case.id}: {name}", o, s, r)
+    qg = q.clone().requires_grad_()
+    with cutlass_flash.force_arch(arch), pytest.raises(NotImplementedError, match="softcap and alibi_slopes"):
+        flash_attn_func(qg, k, v, causal=causal, softcap=case.softcap, alibi_slopes=slopes).sum().backward()

@@ -25,41 +25,28 @@ struct Alibi {
 
   __host__ __device__ bool on() const { return p->alibi_slopes != nullptr; }
 
-  // The kernels multiply their scores (scale * q.k, or tanh(.) under softcap) by
-  // Softcap::softmax_scale inside the softmax; the bias is added before that, so the slope is
-  // divided by it (FlashAttention-2 divides its slope by scale_softmax the same way).
-  __device__ float slope() const {
-    return p->alibi_slopes[batch * p->alibi_batch_stride + head] / Softcap::softmax_scale(*p);
-  }
-
-  // The bias of a score is slope * distance(its coordinate, the tile's first coordinate, base):
-  // |row + row_offset + diag - col - col_offset|. Each entry's (row - col) differs from the first
-  // entry's by a compile-time constant, so the distance is one float base plus a constant: an FADD
-  // per score instead of an integer-to-float conversion, which runs on the pipe the softmax's
-  // exponentials saturate. coords, offsets and kTransposed as WindowMask::apply (whose diagonal
-  // the distance is measured from).
-  template <bool kTransposed, typename TensorC>
-  __device__ static float distance_base(const TensorC& coords, const WindowMask& mask, int row_offset, int col_offset) {
-    const int row0 = cute::get<kTransposed ? 1 : 0>(coords(0));
-    const int col0 = cute::get<kTransposed ? 0 : 1>(coords(0));
-    return float(row0 + row_offset + mask.diag() - col0 - col_offset);
-  }
-  template <bool kTransposed, typename Coord, typename Coord0>
-  __device__ static float distance(const Coord& c, const Coord0& c0, float base) {
-    const int row = cute::get<kTransposed ? 1 : 0>(c) - cute::get<kTransposed ? 1 : 0>(c0);
-    const int col = cute::get<kTransposed ? 0 : 1>(c) - cute::get<kTransposed ? 0 : 1>(c0);
-    return fabsf(base + float(row - col));
-  }
-
   // Adds the bias to a tile of scores; coords, offsets and kTransposed as WindowMask::apply (whose
   // diagonal the distance is measured from).
   template <bool kTransposed = false, typename TensorS, typename TensorC>
   __device__ void apply(TensorS& scores, const TensorC& coords, const WindowMask& mask, int row_offset,
                         int col_offset) const {
-    const float slope = this->slope();
-    const float base = distance_base<kTransposed>(coords, mask, row_offset, col_offset);
+    // The kernels multiply their scores (scale * q.k, or tanh(.) under softcap) by
+    // Softcap::softmax_scale inside the softmax; the bias is added before that, so the slope is
+    // divided by it (FlashAttention-2 divides its slope by scale_softmax the same way).
+    const float slope = p->alibi_slopes[batch * p->alibi_batch_stride + head] / Softcap::softmax_scale(*p);
+    // distance = |row + row_offset + diag - col - col_offset|. Each entry's (row - col) differs from
+    // the first entry's by a compile-time constant, so the distance is one float base plus a
+    // constant: an FADD per score instead of an integer-to-float conversion, which runs on the
+    // pipe the softmax's exponentials saturate.
+    const int row0 = cute::get<kTransposed ? 1 : 0>(coords(0));
+    const int col0 = cute::get<kTransposed ? 0 : 1>(coords(0));
+    const float base = float(row0 + row_offset + mask.diag() - col0 - col_offset);
     CUTE_UNROLL
-    for (int i = 0; i < cute::size(scores); ++i) scores(i) -= slope * distance<kTransposed>(coords(i), coords(0), base);
+    for (int i = 0; i < cute::size(scores); ++i) {
+      const int row = cute::get<kTransposed ? 1 : 0>(coords(i)) - row0;
+      const int col = cute::get<kTransposed ? 0 : 1>(coords(i)) - col0;
+      scores(i) -= slope * fabsf(base + float(row - col));
+    }
   }
 };
 

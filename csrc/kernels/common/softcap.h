@@ -41,8 +41,7 @@ struct Softcap {
   }
 
   // 1 - t^2 for a probability p = exp2(t * cap_log2 - lse_log2); 0 where p is 0 (masked, or
-  // underflowed), where the gradient is 0 whatever the factor. With ALiBi, p = exp2((t - b) *
-  // cap_log2 - lse_log2): the caller passes lse_log2 + b * cap_log2 (Alibi::bias_at).
+  // underflowed), where the gradient is 0 whatever the factor.
   __device__ float dtanh(float p, float lse_log2) const {
     const float t = (log2f(p) + lse_log2) / cap_log2;
     return p > 0.f ? 1.f - t * t : 0.f;

@@ -260,19 +260,11 @@ struct BwdMainloop {
       // dK GEMM) rather than held through the dP^T wait: at d = 64 (128 queries per step) holding
       // it spilled 216 B, in every call, softcap or not.
       const QueryStats<kStatQueries> lse_again(shared.lse_log2.data() + st_q.index() * kBlockM + stats_offset);
-      // Under ALiBi P's exponent holds tanh's value minus the bias: it is added back.
-      const bool alibi_on = Features::kAlibi && alibi.on();
-      const float slope_log2 = alibi_on ? alibi.slope() * softcap.cap_log2 : 0.f;
-      const auto coords = colrow_view(tScS);
-      const float base = alibi_on ? Alibi::distance_base<true>(tScS, mask, m * kBlockM, n_block * kBlockN) : 0.f;
       CUTE_UNROLL
       for (int qi = 0; qi < size<0>(ds); ++qi) {
         const float lse_q = lse_again(qi);
         CUTE_UNROLL
-        for (int ki = 0; ki < size<1>(ds); ++ki) {
-          const float bias = alibi_on ? slope_log2 * Alibi::distance<true>(coords(qi, ki), tScS(0), base) : 0.f;
-          ds(qi, ki) *= softcap.dtanh(fabsf(s(qi, ki)), lse_q + bias);
-        }
+        for (int ki = 0; ki < size<1>(ds); ++ki) ds(qi, ki) *= softcap.dtanh(fabsf(s(qi, ki)), lse_q);
       }
     }
     if (Features::kDropout && dropout.on()) {
