@@ -75,7 +75,7 @@ class Family:
     varlen: Tuple[str, ...] = ()
     # Directions whose kernels take softcap and ALiBi in one call: the forwards. The backwards
     # recover tanh's value from P, which the bias shifts; adding it back cost the softcap backward
-    # without ALiBi 5-13% (sm90, d = 64 / 128) or spilled (sm80 at 255 registers, and sm90 d = 64
+    # without ALiBi 3-13% (sm90, d = 64 / 128) or spilled (sm80 at 255 registers, and sm90 d = 64
     # as a separate branch) (PERFLOG.md entry 64).
     softcap_alibi: Tuple[str, ...] = ("fwd",)
 
