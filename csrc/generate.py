@@ -74,12 +74,15 @@ class Family:
     # Directions whose kernels take variable-length batches (AttnProblem::cu_seqlens_q / _k).
     varlen: Tuple[str, ...] = ()
     # Directions whose kernels take softcap and ALiBi in one call: the sm90 forward (checked on an
-    # H100; the sm80 forward applies them in the same order but has not run the pair on a GPU,
-    # so it refuses it until it has). The backwards
-    # recover tanh's value from P, which the bias shifts; adding it back cost the softcap backward
-    # without ALiBi 3-13% (sm90, d = 64 / 128) or spilled (sm80 at 255 registers, and sm90 d = 64
-    # as a separate branch) (PERFLOG.md entry 64).
+    # H100; the sm80 forward applies them in the same order but has not run the pair on a GPU, so
+    # it refuses it until it has). The backwards recover tanh's value from P, which the bias
+    # shifts; adding it back cost the softcap backward without ALiBi 3-13% (sm90, d = 64 / 128) or
+    # spilled (sm80 at 255 registers, and sm90 d = 64 as a separate branch) (PERFLOG.md entry 64).
     softcap_alibi: Tuple[str, ...] = ("fwd",)
+    # Whether the deterministic backward walks upwards under a right-bounded mask with one dQ copy
+    # (FlashAttention-3's causal order, sm90/bwd_kernel.h), and so keeps one copy up to
+    # BWD_DQ_GROUPS_MIN_SEQLEN_K_RIGHT_BOUNDED keys there.
+    bwd_walks_up: bool = False
 
     def head_dims_for(self, direction: str) -> Tuple[int, ...]:
         if direction == "bwd" and self.bwd_head_dims is not None:
@@ -117,6 +120,7 @@ FAMILIES: Tuple[Family, ...] = (
            # The persistent forward's tile counter (one int, sm90/tile_scheduler.h) in one
            # FWD_WORKSPACE_ALIGN unit.
            fwd_workspace_bytes=16,
+           bwd_walks_up=True,
            # TMA over the packed tensors from each sequence's first row; O by predicated stores.
            varlen=("fwd", "bwd")),
 )
@@ -158,16 +162,17 @@ BWD_DQ_GROUPS = 4
 # (d = 192 / 256) gained from them at 8k keys (+30-47%, 0.39-0.51 -> 0.57-0.61) once its
 # consumers no longer waited for their own reductions every step (PERFLOG 52).
 BWD_DQ_GROUPS_MIN_SEQLEN_K = 4096
-# ... and, in the sm90 family, from 8k keys under a right-bounded mask (causal, or a window with a right edge), where
-# one copy lets the sm90 backward walk upwards (FlashAttention-3's causal order, sm90/bwd_kernel.h):
-# at 4k keys, causal, that measured +12% (d = 128) and +19% (d = 256) over 4 groups walking down,
-# d = 64 unchanged; at 8k the upward walk loses L2 locality (0.42-0.52x at d = 128 / 256, PERFLOG 62).
+# ... and, in the families that walk upwards (Family.bwd_walks_up), from 8k keys under a
+# right-bounded mask (causal, or a window with a right edge), where one copy lets the backward walk
+# upwards: at 4k keys, causal, that measured +12% (d = 128) and +19% (d = 256) over 4 groups
+# walking down, d = 64 unchanged; at 8k the upward walk loses L2 locality (0.42-0.52x at
+# d = 128 / 256, PERFLOG 62).
 BWD_DQ_GROUPS_MIN_SEQLEN_K_RIGHT_BOUNDED = 8192
 
 
 def bwd_dq_groups(seqlen_k: int, deterministic: bool, window_right: int = -1, arch: int = 90) -> int:
     """dQ copies of a backward call (the same rule as the generated bwd_dq_groups)."""
-    bounded = arch == 90 and window_right >= 0
+    bounded = FAMILY_BY_ARCH[arch].bwd_walks_up and window_right >= 0
     min_k = BWD_DQ_GROUPS_MIN_SEQLEN_K_RIGHT_BOUNDED if bounded else BWD_DQ_GROUPS_MIN_SEQLEN_K
     return BWD_DQ_GROUPS if deterministic and seqlen_k >= min_k else 1
 # (array, element type, elements per rounded query row: (multiplier, divisor) with the multiplier
@@ -216,6 +221,7 @@ def bwd_workspace_header() -> str:
             count = f"(deterministic ? {count} : 0)"
         steps += (f"  w.{name}_offset = off;\n"
                   f"  off = align_up(off + {count} * sizeof({ctype}), kBwdArrayAlign);\n")
+    walks_up = " || ".join(f"arch == {f.arch}" for f in FAMILIES if f.bwd_walks_up) or "false"
     return f"""{MARKER}
 // Layout of the backward's scratch memory (BwdParams::workspace), shared by every kernel family and
 // the host API; csrc/generate.py's BWD_WORKSPACE_ARRAYS is its source, and the tests' fake binding
@@ -261,11 +267,11 @@ CUTLASS_FLASH_HOST_DEVICE inline size_t align_up(size_t x, size_t a) {{ return (
 
 // kBwdDqGroups copies where key blocks are many enough for the shorter chains to pay (see
 // csrc/generate.py), else 1. Variable-length batches take 1: a rule on the longest sequence would
-// give one sequence other bits alone than inside a batch. arch: the family that runs the call
-// (80 / 90); the sm90 backward keeps one copy longer under a right-bounded mask, where it walks
-// upwards.
+// give one sequence other bits alone than inside a batch. arch: the family that runs the call;
+// those that walk upwards under a right-bounded mask (Family.bwd_walks_up) keep one copy longer
+// there.
 CUTLASS_FLASH_HOST_DEVICE inline int bwd_dq_groups(const AttnProblem& p, bool deterministic, int arch) {{
-  const int min_k = arch == 90 && p.window_right >= 0 ? kBwdDqGroupsMinSeqlenKRightBounded : kBwdDqGroupsMinSeqlenK;
+  const int min_k = ({walks_up}) && p.window_right >= 0 ? kBwdDqGroupsMinSeqlenKRightBounded : kBwdDqGroupsMinSeqlenK;
   return deterministic && !p.is_varlen() && p.seqlen_k >= min_k ? kBwdDqGroups : 1;
 }}
 

@@ -219,8 +219,8 @@ Status check_problem(const AttnProblem& p, int arch, Direction dir) {
   if (p.softcap > 0.f && p.alibi_slopes != nullptr &&
       !(dir == Direction::kForward ? fam->softcap_alibi_fwd : fam->softcap_alibi_bwd))
     return make(Status::kNotBuilt, prefix(dir) + "the sm" + to_string(arch) + " family's " + direction_word(dir) +
-                                       " does not take softcap and alibi_slopes together (it recovers tanh's value "
-                                       "from P, which the bias shifts)");
+                                       " does not take softcap and alibi_slopes together (csrc/generate.py: "
+                                       "Family.softcap_alibi says why)");
   if (p.is_varlen() && !(dir == Direction::kForward ? fam->varlen_fwd : fam->varlen_bwd))
     return make(Status::kNotBuilt, prefix(dir) + "the sm" + to_string(arch) +
                                        " family has no variable-length " + direction_word(dir) + " kernel (cu_seqlens)");

@@ -47,11 +47,11 @@ CUTLASS_FLASH_HOST_DEVICE inline size_t align_up(size_t x, size_t a) { return (x
 
 // kBwdDqGroups copies where key blocks are many enough for the shorter chains to pay (see
 // csrc/generate.py), else 1. Variable-length batches take 1: a rule on the longest sequence would
-// give one sequence other bits alone than inside a batch. arch: the family that runs the call
-// (80 / 90); the sm90 backward keeps one copy longer under a right-bounded mask, where it walks
-// upwards.
+// give one sequence other bits alone than inside a batch. arch: the family that runs the call;
+// those that walk upwards under a right-bounded mask (Family.bwd_walks_up) keep one copy longer
+// there.
 CUTLASS_FLASH_HOST_DEVICE inline int bwd_dq_groups(const AttnProblem& p, bool deterministic, int arch) {
-  const int min_k = arch == 90 && p.window_right >= 0 ? kBwdDqGroupsMinSeqlenKRightBounded : kBwdDqGroupsMinSeqlenK;
+  const int min_k = (arch == 90) && p.window_right >= 0 ? kBwdDqGroupsMinSeqlenKRightBounded : kBwdDqGroupsMinSeqlenK;
   return deterministic && !p.is_varlen() && p.seqlen_k >= min_k ? kBwdDqGroups : 1;
 }
 
