@@ -27,6 +27,7 @@
 #include <cute/tensor.hpp>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cutlass_flash/params.h"
 #include "kernels/common/philox.h"
@@ -154,6 +155,72 @@ struct Dropout {
   __device__ void apply(TensorS&& s, const TensorC& c, int row_offset, int col_offset, Op op) const {
     for_each_keep<kTransposed, kPairStep, kAlign>(c, row_offset, col_offset,
                                                   [&](int mi, int ni, bool keep) { op(s(mi, ni), keep); });
+  }
+
+  // Zeroes the dropped scores of a 16-bit P (rows are queries, the sm90 forward's layout as
+  // for_each_keep's non-transposed view with kPairStep 8; c and the offsets as there), two at a
+  // time: a thread's column pair (2 t, 2 t + 1) of a row is one 32-bit register, and word 2 g + a
+  // of a call holds the bytes of column g of row half a. Per call, 3 instructions per word compare
+  // its 4 bytes with the threshold at once (the result in each byte's top bit, below), then per
+  // pair one PRMT spreads the two bytes' top bits over their 16-bit halves (its sign-replicating
+  // selector) and one AND applies them: 2.5 instructions per 2 scores, where a PRMT, a compare and
+  // a select per score, plus packing the bits (keep_bits / apply_bits), took 6-7 per score.
+  template <int kAlign, typename TensorP, typename TensorC>
+  __device__ void zero_dropped_p16(TensorP&& p_rc, const TensorC& c, int row_offset, int col_offset) const {
+    using namespace cute;
+    static_assert(sizeof(typename std::decay_t<TensorP>::value_type) == 2);
+    const uint4 rng = *reinterpret_cast<const uint4*>(p->rng_state);
+    const uint32_t threshold = keep_threshold(p->dropout_p);
+    if (threshold > 255) return;  // every byte is below 256: all kept
+    const uint32_t c3 = uint32_t(batch) + rng.z;
+    // Bytewise x < t (t = threshold in every byte) into each byte's top bit: with the top bits
+    // set in x and cleared in t, d = (x | 0x80..) - (t & 0x7f..) borrows across no byte, and d's
+    // top bit says low7(x) >= low7(t); x < t when top(x) < top(t), or they are equal and not d.
+    const uint32_t t4 = threshold * 0x01010101u;
+    auto below = [&](uint32_t x) {
+      const uint32_t d = (x | 0x80808080u) - (t4 & 0x7f7f7f7fu);
+      return (~x & t4) | (~(x ^ t4) & ~d);
+    };
+    constexpr int kRows = decltype(size<0>(c))::value, kGroups = decltype(size<1>(c))::value / 2;  // n8 groups
+    static_assert(kRows % 2 == 0 && (kAlign == 16 || kAlign == 32));
+    static_assert(decltype(p_rc.layout()(make_coord(_0{}, _1{})))::value == 1 &&
+                  decltype(p_rc.layout()(make_coord(_0{}, _2{})))::value % 2 == 0,
+                  "a row's column pair is one 32-bit register");
+    // kShift: the tile's first n8 group's place in its 32-column group (0, or 2 for a tile that
+    // starts 16 columns in: d = 256's 80-column key blocks, every second one). A call covers the
+    // groups up to the next 32-column boundary, so a tile of 80 columns takes 3 calls per row pair,
+    // where calls of 2 groups each (as for_each_keep with kAlign 16) took 5.
+    auto zero = [&](auto shift) {
+      constexpr int kShift = decltype(shift)::value;
+      CUTE_UNROLL
+      for (int u = 0; u < kRows / 2; ++u) {
+        uint32_t keep[2][2];  // [row half a][column g]: each byte's keep bit in its top bit
+        CUTE_UNROLL
+        for (int n = 0; n < kGroups; ++n) {
+          if (n == 0 || (kShift + n) % 4 == 0) {
+            const int i = get<0>(c(2 * u, 2 * n)) + row_offset, j = get<1>(c(2 * u, 2 * n)) + col_offset;
+            const uint4 r = Philox::generate(
+                make_uint4(uint32_t(j) >> 5, uint32_t(i) >> 4,
+                           (uint32_t(head) << 5) | (uint32_t(i & 7) << 2) | (uint32_t(j & 7) >> 1), c3),
+                rng.x, rng.y);
+            keep[0][0] = below(r.x), keep[1][0] = below(r.y), keep[0][1] = below(r.z), keep[1][1] = below(r.w);
+          }
+          // Bytes 0, 1 of the mask from byte b of keep[a][0], bytes 2, 3 from byte b of
+          // keep[a][1] (selector 4 + b), each as its top bit replicated (selector bit 3).
+          const uint32_t b = (kShift + n) % 4, sel = (0x8u | b) * 0x11u | ((0xCu | b) * 0x11u) << 8;
+          CUTE_UNROLL
+          for (int a = 0; a < 2; ++a) {
+            uint32_t mask;
+            asm("prmt.b32 %0, %1, %2, %3;" : "=r"(mask) : "r"(keep[a][0]), "r"(keep[a][1]), "r"(sel));
+            *reinterpret_cast<uint32_t*>(&p_rc(2 * u + a, 2 * n)) &= mask;
+          }
+        }
+      }
+    };
+    if (kAlign == 16 && (col_offset & 16))
+      zero(cute::Int<2>{});
+    else
+      zero(cute::Int<0>{});
   }
 
   // The keep bits of a tile, bit mi + rows * ni (at most 64 scores per thread: the tiles that

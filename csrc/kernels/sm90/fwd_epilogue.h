@@ -65,11 +65,14 @@ struct FwdEpilogue {
     store_rows_16b<64, kHeadDim, 128, /*kUnroll=*/false>(sO, 0, o, params.o.row_stride, seq.seqlen_q - first_row, tid);
   }
 
-  // acc_o: this thread's part of the normalised output of warpgroup wg (fp32); tid: the thread's
-  // index in its warpgroup.
+  // acc_o: this thread's part of the normalised output of its warpgroup's 64 rows (fp32).
   template <typename Params, typename AccO, typename Lse>
   __device__ __forceinline__ static void store(const Params& params, typename Traits::SharedStorage& shared, const TileCoord& tile,
-                               const AccO& acc_o, const Lse& lse, int wg, int tid) {
+                               const AccO& acc_o, const Lse& lse) {
+    // The warpgroup and thread index read here, not passed in: what the store derives from them
+    // (its shared-memory addresses, its barrier id) was otherwise hoisted out of the tile loop and
+    // spilled across the mainloop at d = 256 (PERFLOG 65).
+    const int wg = __shfl_sync(0xffffffff, opaque_thread_idx() / 128, 0) - 1, tid = opaque_thread_idx() % 128;
     const AttnProblem& p = params.problem;
     const bool leader = tid == 0;
     const int barrier = int(FwdBarrier::kEpilogueWG1) + wg;
@@ -123,34 +126,6 @@ struct FwdEpilogue {
       cutlass::arch::NamedBarrier::sync(128, barrier);
       shared.q_empty.arrive();
     }
-  }
-
-  // A tile whose rows see no key (causal with seqlen_q > seqlen_k, or past a shorter sequence of a
-  // variable-length batch): O = 0 and lse = +inf, stored directly. It does not touch shared
-  // memory, where the producer may already be loading the next tile's Q. Not inlined: inlined,
-  // its addressing kept 3 values of the consumer live across the tile loop and spilled 12 B at
-  // d = 256 (a rare path; the call costs nothing on tiles with keys).
-  template <typename Params>
-  __device__ __noinline__ static void store_empty(const Params& params, const TileCoord& tile, int tid) {
-    const AttnProblem& p = params.problem;
-    constexpr int kChunks = kHeadDim * int(sizeof(Element)) / 16;  // 16-byte chunks per row
-    const SeqInfo seq(p, tile.batch);
-    const int rows_left = seq.seqlen_q - tile.block * kBlockM;
-    Element* o = seq.q_rows<Element>(p, params.o, tile.head);
-    for (int i = tid; i < kBlockM * kChunks; i += Traits::kNMmaThreads) {
-      const int row = i / kChunks;
-      if (row < rows_left) {
-        Element* dst = o + int64_t(tile.block * kBlockM + row) * params.o.row_stride + (i % kChunks) * 16 / int(sizeof(Element));
-        *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
-      }
-    }
-    float* out = params.lse + seq.lse_row(p, tile.head) + tile.block * kBlockM;
-    for (int row = tid; row < kBlockM && row < rows_left; row += Traits::kNMmaThreads) out[row] = INFINITY;
-  }
-
-  // Frees Q after a tile without keys, with the arrivals a tile with keys makes.
-  __device__ __forceinline__ static void release_q(typename Traits::SharedStorage& shared) {
-    shared.q_empty.arrive();
   }
 
   // Shared memory must outlive the last TMA store's reads of it.

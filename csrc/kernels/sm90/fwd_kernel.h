@@ -37,13 +37,10 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
   const int warp_group = cutlass::canonical_warp_group_idx();
   // The masks and the tile order are built after each role's setmaxnreg, not here: values live
   // across it were spilled at d = 256. A tile's mask is its sequence's (variable-length batches:
-  // per-sequence lengths, SeqInfo); a tile past its sequence's queries gets no key blocks.
-  auto tile_mask = [&](const TileCoord& tile, int& n_min, int& n_max) {
+  // per-sequence lengths, SeqInfo).
+  auto tile_mask = [&](const TileCoord& tile) {
     const SeqInfo seq(p, tile.batch);
-    const WindowMask mask(seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right);
-    mask.n_block_range<kBlockM, kBlockN>(tile.block, n_min, n_max);
-    if (tile.block * kBlockM >= seq.seqlen_q) n_max = n_min;
-    return mask;
+    return WindowMask(seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right);
   };
 
   if (threadIdx.x == 0) {
@@ -76,56 +73,49 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
       }
     } else if (threadIdx.x == 32) {  // tile thread
       const PersistentTileScheduler order = Scheduler::order(params.scheduler, p);
+      auto has_rows = [&](const TileCoord& tile) { return tile.block * kBlockM < SeqInfo(p, tile.batch).seqlen_q; };
+      const TileWork end{{-1, 0, 0}, 0, 0};
       for (int i = 0, t = Scheduler::first();; ++i, t = Scheduler::next(params.scheduler)) {
-        bool valid = t < order.num_tiles;
-        TileWork w{{-1, 0, 0}, 0, 0};
-        if (valid) {
-          w.coord = order.coord(t);
-          tile_mask(w.coord, w.n_min, w.n_max);
-        }
         // Variable-length batches: the grid has max_seqlen_q's query tiles for every sequence, so
         // a short sequence's later tiles hold no rows. Claim the next tile instead of handing such
         // one to the K/V thread and the consumers (a round trip through q_full / q_empty each).
-        while (valid && p.is_varlen() && w.coord.block * kBlockM >= SeqInfo(p, w.coord.batch).seqlen_q) {
-          t = Scheduler::next(params.scheduler);
-          valid = t < order.num_tiles;
-          w = TileWork{{-1, 0, 0}, 0, 0};
-          if (valid) {
-            w.coord = order.coord(t);
-            tile_mask(w.coord, w.n_min, w.n_max);
-          }
+        while (p.is_varlen() && t < order.num_tiles && !has_rows(order.coord(t))) t = Scheduler::next(params.scheduler);
+        TileWork w = end;
+        if (t < order.num_tiles) {
+          w.coord = order.coord(t);
+          tile_mask(w.coord).template n_block_range<kBlockM, kBlockN>(w.coord.block, w.n_min, w.n_max);
         }
         Scheduler::hand_over(shared.scheduler, i, w);
-        Mainloop::publish(params, shared, i, t, w.coord, valid && w.n_min < w.n_max);
-        if (!valid) break;
+        Mainloop::publish(params, shared, i, w);
+        if (w.coord.block < 0) break;
       }
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
-    const PersistentTileScheduler order = Scheduler::order(params.scheduler, p);
     const int wg = warp_group - 1, tid = int(threadIdx.x) % 128;
     const WarpScheduler<Traits::kNMmaWarpGroups> ping_pong{wg};
     ping_pong.init();
     typename Mainloop::ConsumerState state;
     typename Traits::TiledMmaPV mma_pv;
-    for (int t = Mainloop::receive(shared, state); t < order.num_tiles; t = Mainloop::receive(shared, state)) {
-      const TileCoord tile = order.coord(t);
-      int n_min, n_max;
-      const WindowMask mask = tile_mask(tile, n_min, n_max);
-      if (n_min >= n_max) {
-        Epilogue::store_empty(params, tile, int(threadIdx.x) - 128);
-        Epilogue::release_q(shared);  // as a tile with keys would
-        continue;
-      }
+    for (TileWork w = Mainloop::receive(shared, state); w.coord.block >= 0; w = Mainloop::receive(shared, state)) {
+      const TileCoord& tile = w.coord;
+      const int n_min = w.n_min, n_max = w.n_max;
+      const WindowMask mask = tile_mask(tile);
       Tensor acc_o = partition_fragment_C(mma_pv, Shape<_64, Int<Traits::kHeadDim>>{});
       clear(acc_o);
       Tensor acc_o_rc = rowcol_view(acc_o);
       OnlineSoftmax<decltype(size<0>(acc_o_rc))::value> softmax(Softcap::softmax_scale(p) * float(M_LOG2E));
-      Mainloop::mma(shared, pipeline_k, pipeline_v, state, ping_pong, mask, Softcap(p), Alibi(p, tile.batch, tile.head),
-                    Dropout(p, tile.batch, tile.head), tile.block, n_min, n_max, wg, tid, acc_o, softmax);
+      // A tile whose rows see no key (causal with seqlen_q > seqlen_k, a window) takes the same
+      // epilogue with O = 0 and lse = +inf (finalize's empty rows). A separate, non-inlined store
+      // for it cost the d = 256 kernel 8 B of spills around the call (PERFLOG 65).
+      if (n_min < n_max)
+        Mainloop::mma(shared, pipeline_k, pipeline_v, state, ping_pong, mask, Softcap(p), Alibi(p, tile.batch, tile.head),
+                      Dropout(p, tile.batch, tile.head), tile.block, n_min, n_max, wg, tid, acc_o, softmax);
+      else
+        Mainloop::release_q(shared);
       Tensor lse = make_tensor<float>(Shape<Int<decltype(size<0>(acc_o_rc))::value>>{});
       softmax.finalize(acc_o_rc, lse, Softcap::softmax_scale(p), Dropout::keep_scale(p));
-      Epilogue::store(params, shared, tile, acc_o, lse, wg, tid);
+      Epilogue::store(params, shared, tile, acc_o, lse);
     }
     Epilogue::finish(tid);
   }

@@ -71,18 +71,21 @@ struct FwdMainloop {
     PipelineState v = cutlass::make_producer_start_state<PipelineKV>();
   };
 
-  // Tile thread: publishes the i-th tile of this block (index t) once the consumers are done with
-  // the previous tile's Q (or, with O in Q's place, its O store): the index, and Q when the tile
-  // has keys. An index past the last tile ends the consumers' loop.
+  // Tile thread: publishes the i-th tile of this block once the consumers are done with the
+  // previous tile's Q (or, with O in Q's place, its O store): its coordinates and key-block range,
+  // decoded here once so that the consumers hold nothing of the tile order across their tile loop
+  // (decoding it themselves, the d = 256 consumers spilled the tile count: PERFLOG 65), and Q when
+  // the tile has keys. An end marker (coord.block < 0) ends the consumers' loop.
   template <typename Params>
   __device__ __forceinline__ static void publish(const Params& params, typename Traits::SharedStorage& shared, int i,
-                                                 int t, const TileCoord& tile, bool has_keys) {
+                                                 const TileWork& w) {
     if (i > 0) shared.q_empty.wait((i - 1) & 1);
-    shared.tile = t;
-    if (!has_keys) {
+    shared.tile = w;
+    if (w.coord.block < 0 || w.n_min >= w.n_max) {
       shared.q_full.arrive();
       return;
     }
+    const TileCoord& tile = w.coord;
     shared.q_full.arrive_and_expect_tx(Traits::kQBytes);
     const AttnProblem& p = params.problem;
     // Q as 64-row slabs, one per consumer warpgroup: (64, d, slab)
@@ -138,8 +141,8 @@ struct FwdMainloop {
     int tiles = 0;  // tiles received so far (phases of q_full)
   };
 
-  // The next tile index (waits for its publication; Q, if the tile has any, has landed too).
-  __device__ __forceinline__ static int receive(typename Traits::SharedStorage& shared, ConsumerState& st) {
+  // The next tile (waits for its publication; Q, if the tile has any, has landed too).
+  __device__ __forceinline__ static TileWork receive(typename Traits::SharedStorage& shared, ConsumerState& st) {
     shared.q_full.wait(st.tiles & 1);
     ++st.tiles;
     return shared.tile;
@@ -166,6 +169,12 @@ struct FwdMainloop {
     warpgroup_fence_operand(tSrS);
     pipeline_k.consumer_release(st.k);
     ++st.k;
+  }
+
+  // Q has no reader left in this tile: the producer may load the next one over it. With O in Q's
+  // place the epilogue releases it instead, once its store has left the slab.
+  __device__ __forceinline__ static void release_q(typename Traits::SharedStorage& shared) {
+    if constexpr (!Traits::kOAliasesQ) shared.q_empty.arrive();
   }
 
   // Computes the unnormalised O (acc_o) of warpgroup `wg`'s 64 rows of the tile and their
@@ -221,11 +230,7 @@ struct FwdMainloop {
     };
     auto drop_p16 = [&](int n_block) {
       if constexpr (Traits::kDropoutOnP16) {
-        if (dropout_on) {
-          const uint64_t keep =
-              dropout.keep_bits<false, 8, kAlign>(rowcol_view(tScS), row_offset, n_block * kBlockN);
-          Dropout::apply_bits(rowcol_view(rP), keep, Dropout::Zero{});
-        }
+        if (dropout_on) dropout.zero_dropped_p16<kAlign>(rowcol_view(rP), rowcol_view(tScS), row_offset, n_block * kBlockN);
       }
     };
 
@@ -280,8 +285,7 @@ struct FwdMainloop {
       to_p(tSrS);
       drop_p16(n_block);
     }
-    // Q has no reader left in this tile.
-    if constexpr (!Traits::kOAliasesQ) shared.q_empty.arrive();
+    release_q(shared);
     Softmax::rescale(acc_o_rc, correction);
     pipeline_v.consumer_wait(st.v);
     gemm</*kZeroInit=*/false, /*kWait=*/0>(mma_pv, tOrP, tOrV(_, _, _, st.v.index()), acc_o);

@@ -98,12 +98,12 @@ struct FwdTraits {
     cute::array_aligned<Element, kKVElems, 1024> v;
     typename PipelineKV::SharedStorage pipeline_k;
     typename PipelineKV::SharedStorage pipeline_v;
-    // q_full also publishes the tile index (`tile`), written by the producer before its arrival:
-    // every tile, including those that load no Q and the final out-of-range index, completes one
-    // phase of q_full and (except the last) of q_empty.
+    // q_full also publishes the tile (`tile`: its coordinates and key-block range, written by the
+    // producer before its arrival): every tile, including those that load no Q and the end marker
+    // (coord.block < 0), completes one phase of q_full and (except the last) of q_empty.
     cutlass::arch::ClusterTransactionBarrier q_full;
     cutlass::arch::ClusterBarrier q_empty;
-    int tile;
+    TileWork tile;
     DynamicTileScheduler::SharedStorage scheduler;  // the tile thread's hand-over to the K/V thread
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
