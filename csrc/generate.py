@@ -73,9 +73,8 @@ class Family:
     fwd_workspace_bytes: int = 0
     # Directions whose kernels take variable-length batches (AttnProblem::cu_seqlens_q / _k).
     varlen: Tuple[str, ...] = ()
-    # Directions whose kernels take softcap and ALiBi in one call: the sm90 forward (checked on an
-    # H100; the sm80 forward applies them in the same order but has not run the pair on a GPU, so
-    # it refuses it until it has). The backwards recover tanh's value from P, which the bias
+    # Directions whose kernels take softcap and ALiBi in one call: the forwards (both families
+    # checked on an H100, the sm80 one in its sm_90 machine code). The backwards recover tanh's value from P, which the bias
     # shifts; adding it back cost the softcap backward without ALiBi 3-13% (sm90, d = 64 / 128) or
     # spilled (sm80 at 255 registers, and sm90 d = 64 as a separate branch) (PERFLOG.md entry 64).
     softcap_alibi: Tuple[str, ...] = ("fwd",)
@@ -107,7 +106,7 @@ FAMILIES: Tuple[Family, ...] = (
     Family(arch=80, directions=("fwd", "bwd"), head_dims=HEAD_DIMS,
            sass_default=("80", "90"),
            sass_allowed=tuple(s for s in KNOWN_SASS if s != "90a"),
-           varlen=("fwd", "bwd"), softcap_alibi=()),
+           varlen=("fwd", "bwd")),
     # Hopper (FlashAttention-3-style: TMA, wgmma, warp specialization). wgmma and setmaxnreg
     # exist only in the arch-specific sm_90a target.
     # CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED: wgmma atoms with N = 80, 112, ... (else CuTe splits

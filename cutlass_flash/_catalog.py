@@ -23,7 +23,7 @@ FWD_WORKSPACE_ALIGN = 16
 VARLEN = {80: ('fwd', 'bwd'), 90: ('fwd', 'bwd')}
 
 #: family arch -> directions whose kernels take softcap and alibi_slopes in one call.
-SOFTCAP_ALIBI = {80: (), 90: ('fwd',)}
+SOFTCAP_ALIBI = {80: ('fwd',), 90: ('fwd',)}
 
 #: Dropout's mask function: Philox4x32 rounds.
 DROPOUT_PHILOX_ROUNDS = 7

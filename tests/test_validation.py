@@ -183,20 +183,19 @@ def test_bad_arguments_raise_before_the_op(fake_backend, case):
 
 
 def test_softcap_with_alibi_forward_only(fake_backend):
-    """softcap with ALiBi (the generator's SOFTCAP_ALIBI): the sm90 forward runs the pair, the
-    backwards and the sm80 forward refuse it, naming it, before any kernel runs."""
-    q, k, v = (torch.randn_like(t).requires_grad_() for t in qkv())
+    """softcap with ALiBi (the generator's SOFTCAP_ALIBI): both forwards run the pair, both
+    backwards refuse it, naming it, before any kernel runs."""
     slopes = torch.full((4,), 0.25)
-    with cutlass_flash.force_arch(90):
-        out = flash_attn_func(q, k, v, softcap=5.0, alibi_slopes=slopes)
-        assert [(d, a) for d, a, _ in fake_backend.calls] == [("fwd", 90)]
-        with pytest.raises(NotImplementedError,
-                           match=r"sm90 backward does not support softcap and alibi_slopes together"):
-            out.sum().backward()
-    with cutlass_flash.force_arch(80), pytest.raises(
-            NotImplementedError, match=r"sm80 forward does not support softcap and alibi_slopes together"):
-        flash_attn_func(q, k, v, softcap=5.0, alibi_slopes=slopes)
-    assert [d for d, _, _ in fake_backend.calls] == ["fwd"]
+    for arch in (90, 80):
+        q, k, v = (torch.randn_like(t).requires_grad_() for t in qkv())
+        fake_backend.calls.clear()
+        with cutlass_flash.force_arch(arch):
+            out = flash_attn_func(q, k, v, softcap=5.0, alibi_slopes=slopes)
+            assert [(d, a) for d, a, _ in fake_backend.calls] == [("fwd", arch)]
+            with pytest.raises(NotImplementedError,
+                               match=rf"sm{arch} backward does not support softcap and alibi_slopes together"):
+                out.sum().backward()
+        assert [d for d, _, _ in fake_backend.calls] == ["fwd"]
 
 
 @pytest.mark.parametrize("causal,window,seqlen_k,expected", [
