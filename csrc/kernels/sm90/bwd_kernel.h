@@ -55,7 +55,7 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
   };
   auto make_steps = [&](const WindowMask& mask) {
     const int group = p.nheads / p.nheads_kv;
-    BwdSteps steps{tile.batch, head_kv * group, group, 0, 0, upward ? 1 : -1};
+    BwdSteps steps{tile.batch, head_kv * group, group, 0, 0, BwdSteps::step_of(upward)};
     mask.m_block_range<kBlockM, kBlockN>(n_block, steps.m_min, steps.m_max);
     if (n_block * kBlockN >= mask.seqlen_k || steps.m_max < steps.m_min) steps.m_max = steps.m_min;
     return steps;

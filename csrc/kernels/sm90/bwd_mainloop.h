@@ -47,13 +47,20 @@ using namespace cute;
 // (bwd_kernel.h), so a block waits only for blocks started before it.
 struct BwdSteps {
   int batch, head_begin, heads, m_min, m_max;  // m_min <= m_max
-  int step = -1;                               // +1: upward
+  int step = -1;                               // step_of(upward)
 
+  __host__ __device__ static constexpr int step_of(bool upward) { return upward ? 1 : -1; }
   __device__ bool upward() const { return step > 0; }
   __device__ int count() const { return heads * (m_max - m_min); }
-  // The walk is m = first(), first() + step, ... while m != end().
-  __device__ int first() const { return upward() ? m_min : m_max - 1; }
-  __device__ int end() const { return upward() ? m_max : m_min - 1; }
+  // The walk is m = first(), first() + step, ... while m != end(). The templated forms take the
+  // direction at compile time (the split-d dQ warp: as a runtime value beside its turn count's
+  // loop, the direction spilled 12 B at the producer's 24 registers).
+  template <bool kUpward>
+  __device__ int first() const { return kUpward ? m_min : m_max - 1; }
+  template <bool kUpward>
+  __device__ int end() const { return kUpward ? m_max : m_min - 1; }
+  __device__ int first() const { return upward() ? first<true>() : first<false>(); }
+  __device__ int end() const { return upward() ? end<true>() : end<false>(); }
 };
 
 // Position of a consumer thread's i-th dQ accumulator in the fp32 staging tile (and in the

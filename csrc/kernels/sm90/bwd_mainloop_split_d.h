@@ -53,8 +53,7 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_, Features_> {
   __device__ static void dq_warp(const Params& params, typename Traits::SharedStorage&, const BwdSteps& steps,
                                  const WindowMask& mask, int n_block) {
     if (params.dq_semaphore == nullptr || steps.count() == 0) return;
-    // The walk's direction as a template parameter: as a runtime value beside the turn count's
-    // loop it spilled 12 B at the producer's 24 registers.
+    // The walk's direction as a template parameter (BwdSteps::first<kUpward>() says why).
     if (steps.upward())
       pass_turns<true>(params, steps, mask, n_block);
     else
@@ -65,8 +64,7 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_, Features_> {
   __device__ static void pass_turns(const Params& params, const BwdSteps& steps, const WindowMask& mask, int n_block) {
     const bool leader = threadIdx.x % 32 == 0;
     auto turn = [&](int m) { return DqSemaphore::turn<kBlockM, kBlockN>(mask, m, n_block, params.dq_groups, kUpward); };
-    const int first = kUpward ? steps.m_min : steps.m_max - 1;
-    const int end = kUpward ? steps.m_max : steps.m_min - 1;
+    const int first = steps.template first<kUpward>(), end = steps.template end<kUpward>();
     // A head's rows follow the previous head's at rows_per_head (SeqInfo::workspace_row, both
     // layouts): one running row instead of the sequence's offsets, which spilled 12 B at the
     // producer's 24 registers.
@@ -84,7 +82,7 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_, Features_> {
       cutlass::arch::NamedBarrier::arrive(kTurnThreads, int(BwdBarrier::kdQTurn));
       // The next step's turn is counted while the consumers add this one's: the count walks the
       // group's other key blocks (up to 32 at 8k keys), about as long as a poll of L2.
-      m += kUpward ? 1 : -1;
+      m += BwdSteps::step_of(kUpward);
       if (m == end) {
         m = first;
         row += params.rows_per_head;
