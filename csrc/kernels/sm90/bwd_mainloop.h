@@ -224,7 +224,15 @@ struct BwdMainloop {
     gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_sdp, tdPrV, tdPrdO(_, _, _, st_do.index()), acc_dp);
     warpgroup_wait<1>();  // S^T done, dP^T running
     warpgroup_fence_operand(acc_s);
-    if (Features::kSoftcap && softcap.on()) softcap.tanh_scores(acc_s);
+    const bool softcap_on = Features::kSoftcap && softcap.on();
+    constexpr bool kHoldDtanh = Features::kSoftcap && Traits::kSoftcapHoldsDtanh;
+    cute::array<uint32_t, kHoldDtanh ? decltype(size(acc_s))::value / 2 : 1> dt;  // 1 - t^2, fp16 pairs
+    if (softcap_on) {
+      if constexpr (kHoldDtanh)
+        softcap.tanh_scores(acc_s, dt);
+      else
+        softcap.tanh_scores(acc_s);
+    }
     if (Features::kAlibi && alibi.on()) alibi.apply</*kTransposed=*/true>(acc_s, tScS, mask, m * kBlockM, n_block * kBlockN);
     if (mask.block_needs_mask<kBlockM, kBlockN>(m, n_block))
       mask.apply</*kTransposed=*/true>(acc_s, tScS, m * kBlockM, n_block * kBlockN);
@@ -262,7 +270,12 @@ struct BwdMainloop {
         for (int ki = 0; ki < size<1>(ds); ++ki) ds(qi, ki) = s(qi, ki) * (ds(qi, ki) - d_q);
       }
     }
-    if (Features::kSoftcap && softcap.on()) {  // the gradient of x = scale * s: through tanh's derivative
+    if constexpr (kHoldDtanh) {
+      if (softcap_on) {  // the gradient of x = scale * s: through tanh's derivative
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_dp); ++i) acc_dp(i) *= Softcap::held_dtanh(dt, i);
+      }
+    } else if (softcap_on) {  // as above, t recovered from P
       // LSE loaded again from shared memory (still this stage's: Q's stage is released after the
       // dK GEMM) rather than held through the dP^T wait: at d = 64 (128 queries per step) holding
       // it spilled 216 B, in every call, softcap or not.
