@@ -25,15 +25,27 @@ struct Alibi {
 
   __host__ __device__ bool on() const { return p->alibi_slopes != nullptr; }
 
+  // The tile's slope, divided by the scale the softmax applies after the bias: the kernels
+  // multiply their scores (scale * q.k, or tanh(.) under softcap) by Softcap::softmax_scale inside
+  // the softmax, and the bias is added before that (FlashAttention-2 divides its slope by
+  // scale_softmax the same way). A global load and a reciprocal; apply() reads it where it is
+  // used, a mainloop with registers to spare once per head (apply_slope).
+  __device__ float slope() const {
+    return p->alibi_slopes[batch * p->alibi_batch_stride + head] / Softcap::softmax_scale(*p);
+  }
+
   // Adds the bias to a tile of scores; coords, offsets and kTransposed as WindowMask::apply (whose
   // diagonal the distance is measured from).
   template <bool kTransposed = false, typename TensorS, typename TensorC>
   __device__ void apply(TensorS& scores, const TensorC& coords, const WindowMask& mask, int row_offset,
                         int col_offset) const {
-    // The kernels multiply their scores (scale * q.k, or tanh(.) under softcap) by
-    // Softcap::softmax_scale inside the softmax; the bias is added before that, so the slope is
-    // divided by it (FlashAttention-2 divides its slope by scale_softmax the same way).
-    const float slope = p->alibi_slopes[batch * p->alibi_batch_stride + head] / Softcap::softmax_scale(*p);
+    apply_slope<kTransposed>(slope(), scores, coords, mask, row_offset, col_offset);
+  }
+
+  // apply() with the slope read ahead (slope()).
+  template <bool kTransposed = false, typename TensorS, typename TensorC>
+  __device__ static void apply_slope(float slope, TensorS& scores, const TensorC& coords, const WindowMask& mask,
+                                     int row_offset, int col_offset) {
     // distance = |row + row_offset + diag - col - col_offset|. Each entry's (row - col) differs from
     // the first entry's by a compile-time constant, so the distance is one float base plus a
     // constant: an FADD per score instead of an integer-to-float conversion, which runs on the

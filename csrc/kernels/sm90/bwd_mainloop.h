@@ -209,6 +209,11 @@ struct BwdMainloop {
   // The first half of a consumer step, shared by both layouts: S^T = K Q^T and dP^T = V dO^T
   // issued together (after their stage's loads), then in their accumulators P^T = exp2(S^T *
   // scale_log2 - LSE) under the mask, while dP^T is computed, and dS^T = P^T (dP^T - D).
+  // ALiBi's slope of a head where the step holds it (Traits::kHoldsFeatureValues), else unused.
+  __device__ static float head_slope(const Alibi& alibi) {
+    return Features::kAlibi && Traits::kHoldsFeatureValues && alibi.on() ? alibi.slope() : 0.f;
+  }
+
   // Under dropout, dP^T is the GEMM's times mask times the keep scale, and P^T leaves with the dropped
   // probabilities zeroed (for the dV GEMM). stats_offset: this warpgroup's first query in the step's LSE and D (kStatQueries of them).
   template <int kStatQueries, typename TiledMma, typename FragA, typename FragB, typename Acc, typename Coords>
@@ -216,7 +221,7 @@ struct BwdMainloop {
                                 const FragB& tdPrdO, Pipeline& pipeline_q, const PipelineState& st_q,
                                 Pipeline& pipeline_do, const PipelineState& st_do, typename Traits::SharedStorage& shared,
                                 int stats_offset, const WindowMask& mask, const Softcap& softcap, const Alibi& alibi,
-                                const Dropout& dropout, const Coords& tScS,
+                                float alibi_slope, const Dropout& dropout, const Coords& tScS,
                                 int m, int n_block, float scale_log2, Acc& acc_s, Acc& acc_dp) {
     pipeline_q.consumer_wait(st_q);
     gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_sdp, tSrK, tSrQ(_, _, _, st_q.index()), acc_s);
@@ -225,7 +230,7 @@ struct BwdMainloop {
     warpgroup_wait<1>();  // S^T done, dP^T running
     warpgroup_fence_operand(acc_s);
     const bool softcap_on = Features::kSoftcap && softcap.on();
-    constexpr bool kHoldDtanh = Features::kSoftcap && Traits::kSoftcapHoldsDtanh;
+    constexpr bool kHoldDtanh = Features::kSoftcap && Traits::kHoldsFeatureValues;
     cute::array<uint32_t, kHoldDtanh ? decltype(size(acc_s))::value / 2 : 1> dt;  // 1 - t^2, fp16 pairs
     if (softcap_on) {
       if constexpr (kHoldDtanh)
@@ -233,7 +238,10 @@ struct BwdMainloop {
       else
         softcap.tanh_scores(acc_s);
     }
-    if (Features::kAlibi && alibi.on()) alibi.apply</*kTransposed=*/true>(acc_s, tScS, mask, m * kBlockM, n_block * kBlockN);
+    if (Features::kAlibi && alibi.on()) {
+      const float slope = Traits::kHoldsFeatureValues ? alibi_slope : alibi.slope();
+      Alibi::apply_slope</*kTransposed=*/true>(slope, acc_s, tScS, mask, m * kBlockM, n_block * kBlockN);
+    }
     if (mask.block_needs_mask<kBlockM, kBlockN>(m, n_block))
       mask.apply</*kTransposed=*/true>(acc_s, tScS, m * kBlockM, n_block * kBlockN);
     Tensor s = colrow_view(acc_s);  // (query, key)
@@ -339,13 +347,14 @@ struct BwdMainloop {
     for (int h = steps.head_begin; h < steps.head_begin + steps.heads; ++h) {
       const Alibi alibi(params.problem, steps.batch, h);
       const Dropout dropout(params.problem, steps.batch, h);
+      const float alibi_slope = head_slope(alibi);
 #pragma unroll 1
       for (int m = steps.first(), end = steps.end(); m != end; m += steps.step, ++i) {
         const int buf = i % Traits::kdSBuffers;
         Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
         Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
         scores<kBlockM>(mma_sdp, tSrK, tSrQ, tdPrV, tdPrdO, pipeline_q, st_q, pipeline_do, st_do, shared, 0, mask,
-                        softcap, alibi, dropout, tScS, m, n_block, scale_log2, acc_s, acc_dp);
+                        softcap, alibi, alibi_slope, dropout, tScS, m, n_block, scale_log2, acc_s, acc_dp);
         Tensor rP = convert_type<Element>(acc_s);
         Tensor rdS = convert_type<Element>(acc_dp);
         copy(r2s_ds, thr_r2s_ds.retile_S(rdS), tdSsdS(_, _, _, buf));

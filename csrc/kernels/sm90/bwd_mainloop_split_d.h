@@ -141,13 +141,15 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_, Features_> {
       const int64_t row = dq_row(params, steps, h, n_block);
       const Alibi alibi(params.problem, steps.batch, h);
       const Dropout dropout(params.problem, steps.batch, h);
+      const float alibi_slope = Base::head_slope(alibi);
 #pragma unroll 1
       for (int m = steps.first(), end = steps.end(); m != end; m += steps.step, ++i) {
         const int buf = i % Traits::kdSBuffers;
         Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
         Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
         Base::template scores<kQueriesPerWarpgroup>(mma_sdp, tSrK, tSrQ, tdPrV, tdPrdO, pipeline_q, st_q, pipeline_do,
-                                                    st_do, shared, query_offset, mask, softcap, alibi, dropout, tScS, m,
+                                                    st_do, shared, query_offset, mask, softcap, alibi, alibi_slope, dropout,
+                                                    tScS, m,
                                                     n_block, scale_log2, acc_s, acc_dp);
         Tensor rP = convert_type<Element>(acc_s);
         Tensor rdS = convert_type<Element>(acc_dp);
