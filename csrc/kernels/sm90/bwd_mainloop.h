@@ -206,14 +206,14 @@ struct BwdMainloop {
                             thr_dq.partition_fragment_A(sdS), thr_dq.partition_fragment_B(sKt));
   }
 
-  // The first half of a consumer step, shared by both layouts: S^T = K Q^T and dP^T = V dO^T
-  // issued together (after their stage's loads), then in their accumulators P^T = exp2(S^T *
-  // scale_log2 - LSE) under the mask, while dP^T is computed, and dS^T = P^T (dP^T - D).
   // ALiBi's slope of a head where the step holds it (Traits::kHoldsFeatureValues), else unused.
   __device__ static float head_slope(const Alibi& alibi) {
     return Features::kAlibi && Traits::kHoldsFeatureValues && alibi.on() ? alibi.slope() : 0.f;
   }
 
+  // The first half of a consumer step, shared by both layouts: S^T = K Q^T and dP^T = V dO^T
+  // issued together (after their stage's loads), then in their accumulators P^T = exp2(S^T *
+  // scale_log2 - LSE) under the mask, while dP^T is computed, and dS^T = P^T (dP^T - D).
   // Under dropout, dP^T is the GEMM's times mask times the keep scale, and P^T leaves with the dropped
   // probabilities zeroed (for the dV GEMM). stats_offset: this warpgroup's first query in the step's LSE and D (kStatQueries of them).
   template <int kStatQueries, typename TiledMma, typename FragA, typename FragB, typename Acc, typename Coords>

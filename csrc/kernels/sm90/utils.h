@@ -12,8 +12,8 @@
 namespace cutlass_flash::sm90 {
 
 // threadIdx.x, read where it is used: the compiler can neither hoist what derives from it out of a
-// loop nor keep it live across one. The forward's epilogue barrier id, derived from the warpgroup
-// index before the tile loop, was the value spilled at d = 256 (PERFLOG 65).
+// loop nor keep it live across one. The forward's epilogue (its barrier id and shared-memory
+// addresses, derived from the warpgroup index before the tile loop, spilled at d = 256: PERFLOG 65).
 __device__ __forceinline__ int opaque_thread_idx() {
   int t;
   asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
