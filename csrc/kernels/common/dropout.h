@@ -225,8 +225,7 @@ struct Dropout {
 
   // The keep bits of a tile, bit mi + rows * ni (at most 64 scores per thread: the tiles that
   // take this path have 32-64), for kernels that draw them where fewer registers are live than
-  // where they are applied (apply_bits): the sm80 forward before S, the sm90 forward's dropout
-  // kernel at d >= 192 on the 16-bit P.
+  // where they are applied (apply_bits): the sm80 forward, before S.
   template <bool kTransposed, int kPairStep, int kAlign, typename TensorC>
   __device__ uint64_t keep_bits(const TensorC& c, int row_offset, int col_offset) const {
     constexpr int kRows = decltype(cute::size<0>(c))::value;
