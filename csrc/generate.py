@@ -74,9 +74,10 @@ class Family:
     # Directions whose kernels take variable-length batches (AttnProblem::cu_seqlens_q / _k).
     varlen: Tuple[str, ...] = ()
     # Directions whose kernels take softcap and ALiBi in one call: the forwards (both families
-    # checked on an H100, the sm80 one in its sm_90 machine code). The backwards recover tanh's value from P, which the bias
-    # shifts; adding it back cost the softcap backward without ALiBi 3-13% (sm90, d = 64 / 128) or
-    # spilled (sm80 at 255 registers, and sm90 d = 64 as a separate branch) (PERFLOG.md entry 64).
+    # checked on an H100, the sm80 one in its sm_90 machine code). The backwards recover tanh's
+    # value from P, which the bias shifts; adding it back cost the softcap backward without ALiBi
+    # 3-13% (sm90, d = 64 / 128) or spilled (sm80 at 255 registers, and sm90 d = 64 as a separate
+    # branch) (PERFLOG.md entry 64).
     softcap_alibi: Tuple[str, ...] = ("fwd",)
     # Whether the deterministic backward walks upwards under a right-bounded mask with one dQ copy
     # (FlashAttention-3's causal order, sm90/bwd_kernel.h), and so keeps one copy up to

@@ -251,8 +251,8 @@ def check_alibi(alibi_slopes, batch, nheads, device):
 
 def check_family_features(arch, direction, softcap, alibi_slopes):
     """Feature combinations a family's kernels have no path for (the generator's SOFTCAP_ALIBI):
-    softcap with ALiBi in the backwards, which recover tanh's value from P, which the bias shifts,
-    and in the sm80 forward, not yet checked on a GPU."""
+    softcap with ALiBi in the backwards, which recover tanh's value from P, which the bias
+    shifts."""
     if softcap > 0 and alibi_slopes is not None and direction not in SOFTCAP_ALIBI.get(arch, ()):
         takers = sorted(a for a, dirs in SOFTCAP_ALIBI.items() if direction in dirs)
         where = f"the {', '.join(f'sm{a}' for a in takers)} family does" if takers else "no family does yet"

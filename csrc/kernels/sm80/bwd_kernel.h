@@ -15,6 +15,7 @@
 #include "kernels/common/tile_scheduler.h"
 #include "kernels/sm80/bwd_epilogue.h"
 #include "kernels/sm80/bwd_mainloop.h"
+#include "kernels/sm80/launch.h"
 #include "generated/bwd_workspace.h"
 
 namespace cutlass_flash::sm80 {
@@ -29,7 +30,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_convert_dq_kernel(const
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
   const AttnProblem& p = params.problem;
-  const BwdWorkspace ws = bwd_workspace_layout(p, params.deterministic, 80);
+  const BwdWorkspace ws = bwd_workspace_layout(p, params.deterministic, kFamilyArch);
   const int tid = threadIdx.x, m_block = blockIdx.x, head = blockIdx.y;
   const SeqInfo seq(p, blockIdx.z);
   if (m_block * kBlockM >= seq.seqlen_q) return;  // variable-length: past a shorter sequence
@@ -93,7 +94,7 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1) bwd_kernel(con
                       make_coord(at.block, 0));
   };
 
-  const BwdWorkspace ws = bwd_workspace_layout(p, params.deterministic, 80);
+  const BwdWorkspace ws = bwd_workspace_layout(p, params.deterministic, kFamilyArch);
   char* workspace = static_cast<char*>(params.workspace);
   Tensor acc_dk = partition_fragment_C(typename Traits::TiledMmadKV{}, KTile{});
   Tensor acc_dv = partition_fragment_C(typename Traits::TiledMmadKV{}, KTile{});

@@ -18,7 +18,7 @@ Status run_bwd(const BwdParams& params, cudaStream_t stream) {
   using Traits = BwdTraits<kHeadDim, kTile.block_m, kTile.block_n, kTile.warps, kTile.atom_m_sdp, kTile.atom_n_dkv,
                            kTile.atom_m_dq, kTile.q_stages, Element, kTile.late_offsets>;
   const AttnProblem& p = params.problem;
-  bwd_preprocess_kernel<80, kHeadDim, Element><<<BwdPreprocess::grid(params, 80), BwdPreprocess::kWarps * 32, 0, stream>>>(params);
+  bwd_preprocess_kernel<kFamilyArch, kHeadDim, Element><<<BwdPreprocess::grid(params, kFamilyArch), BwdPreprocess::kWarps * 32, 0, stream>>>(params);
   if (Status s = cuda_status(cudaGetLastError(), "sm80 backward preprocess launch"); !s.ok()) return s;
 
   constexpr auto kernel = bwd_kernel<BwdMainloop<Traits>, BwdEpilogue<Traits>, GridTileScheduler>;

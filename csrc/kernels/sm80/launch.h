@@ -10,6 +10,10 @@
 
 namespace cutlass_flash::sm80 {
 
+// This family's arch, as the generator's Family.arch and the host API name it (bwd_workspace_layout
+// reads it: which families walk upwards).
+inline constexpr int kFamilyArch = 80;
+
 template <int kHeadDim, typename Element>
 Status run_fwd(const FwdParams& params, cudaStream_t stream);
 

@@ -13,6 +13,7 @@
 #include "kernels/common/convert.h"
 #include "kernels/sm90/bwd_mainloop.h"
 #include "kernels/sm90/bwd_traits.h"
+#include "kernels/sm90/launch.h"
 
 namespace cutlass_flash::sm90 {
 
@@ -70,7 +71,7 @@ __global__ void __launch_bounds__(Traits::kNMmaThreads) bwd_convert_dq_kernel(co
   constexpr int kPitch = kHeadDim + 16 / int(sizeof(Element));
   __shared__ alignas(16) Element smem[kBlockM * kPitch];
   const AttnProblem& p = params.problem;
-  const BwdWorkspace ws = bwd_workspace_layout(p, params.deterministic, 90);
+  const BwdWorkspace ws = bwd_workspace_layout(p, params.deterministic, kFamilyArch);
   const int tid = threadIdx.x, m_block = blockIdx.x, head = blockIdx.y;
   const SeqInfo seq(p, blockIdx.z);
   if (m_block * kBlockM >= seq.seqlen_q) return;  // variable-length: past a shorter sequence

@@ -51,7 +51,7 @@ BwdKernelParams<Traits> bwd_kernel_params(const BwdParams& params) {
   // Every per-call field is set here, not taken from the cached plan: the plan's key holds only
   // what the descriptors depend on (a cached softcap or cu_seqlens pointer would be stale).
   kp.problem = params.problem;
-  const BwdWorkspace ws = bwd_workspace_layout(params.problem, params.deterministic, 90);
+  const BwdWorkspace ws = bwd_workspace_layout(params.problem, params.deterministic, kFamilyArch);
   char* workspace = static_cast<char*>(params.workspace);
   kp.dk = params.dk;
   kp.dv = params.dv;
@@ -74,7 +74,7 @@ Status run_bwd_mainloop(const BwdParams& params, cudaStream_t stream) {
   for (auto [ref, name] : {std::pair{&params.q, "q"}, {&params.k, "k"}, {&params.v, "v"}, {&params.dout, "dout"}})
     if (Status s = check_tma_ref<Element>(*ref, name, "backward"); !s.ok()) return s;
 
-  bwd_preprocess_kernel<90, kHeadDim, Element><<<BwdPreprocess::grid(params, 90), BwdPreprocess::kWarps * 32, 0, stream>>>(params);
+  bwd_preprocess_kernel<kFamilyArch, kHeadDim, Element><<<BwdPreprocess::grid(params, kFamilyArch), BwdPreprocess::kWarps * 32, 0, stream>>>(params);
   if (Status s = cuda_status(cudaGetLastError(), "sm90 backward preprocess launch"); !s.ok()) return s;
 
   const BwdKernelParams<Traits> kp = bwd_kernel_params<Traits>(params);

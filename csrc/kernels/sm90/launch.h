@@ -11,6 +11,10 @@
 
 namespace cutlass_flash::sm90 {
 
+// This family's arch, as the generator's Family.arch and the host API name it (bwd_workspace_layout
+// reads it: which families walk upwards).
+inline constexpr int kFamilyArch = 90;
+
 template <int kHeadDim, typename Element>
 Status run_fwd(const FwdParams& params, cudaStream_t stream);
 
