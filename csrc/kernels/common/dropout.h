@@ -71,6 +71,14 @@ struct Dropout {
     return threshold > 0 ? 256.f / float(threshold) : 0.f;
   }
 
+  // The Philox call that holds query row i and key column j (the header's function); rng: the
+  // call's rng_state (seed lo, hi, offset lo, hi).
+  __device__ uint4 call(const uint4& rng, int i, int j) const {
+    const uint32_t sub = (uint32_t(head) << 5) | (uint32_t(i & 7) << 2) | (uint32_t(j & 7) >> 1);
+    return Philox::generate(make_uint4(uint32_t(j) >> 5, uint32_t(i) >> 4, sub, uint32_t(batch) + rng.z), rng.x,
+                            rng.y);
+  }
+
   // Calls f(mi, ni, keep) for each score (mi, ni) of a register tile of P. c: the tile's (row,
   // col) coordinates (an identity tensor partitioned like the accumulator, in the same view as the
   // scores); offsets added to them give positions in the sequence. Non-transposed: rows are
@@ -83,13 +91,9 @@ struct Dropout {
   template <bool kTransposed, int kPairStep, int kAlign, typename TensorC, typename Fn>
   __device__ void for_each_keep(const TensorC& c, int row_offset, int col_offset, Fn&& f) const {
     using namespace cute;
-    const uint4 rng = *reinterpret_cast<const uint4*>(p->rng_state);  // seed lo, hi, offset lo, hi
+    const uint4 rng = *reinterpret_cast<const uint4*>(p->rng_state);
     const uint32_t threshold = keep_threshold(p->dropout_p);
-    const uint32_t c3 = uint32_t(batch) + rng.z;
-    auto bits = [&](int i, int j) {
-      const uint32_t sub = (uint32_t(head) << 5) | (uint32_t(i & 7) << 2) | (uint32_t(j & 7) >> 1);
-      return Philox::generate(make_uint4(uint32_t(j) >> 5, uint32_t(i) >> 4, sub, c3), rng.x, rng.y);
-    };
+    auto bits = [&](int i, int j) { return call(rng, i, j); };
     // Byte `b` of word w against the threshold (one PRMT: the byte into the low 8 bits).
     auto keep = [&](uint32_t w, uint32_t b) { return __byte_perm(w, 0u, 0x4440u | b) < threshold; };
     constexpr int kRows = decltype(size<0>(c))::value, kCols = decltype(size<1>(c))::value;
@@ -172,7 +176,6 @@ struct Dropout {
     const uint4 rng = *reinterpret_cast<const uint4*>(p->rng_state);
     const uint32_t threshold = keep_threshold(p->dropout_p);
     if (threshold > 255) return;  // every byte is below 256: all kept
-    const uint32_t c3 = uint32_t(batch) + rng.z;
     // Bytewise x < t (t = threshold in every byte) into each byte's top bit: with the top bits
     // set in x and cleared in t, d = (x | 0x80..) - (t & 0x7f..) borrows across no byte, and d's
     // top bit says low7(x) >= low7(t); x < t when top(x) < top(t), or they are equal and not d.
@@ -198,11 +201,7 @@ struct Dropout {
         CUTE_UNROLL
         for (int n = 0; n < kGroups; ++n) {
           if (n == 0 || (kShift + n) % 4 == 0) {
-            const int i = get<0>(c(2 * u, 2 * n)) + row_offset, j = get<1>(c(2 * u, 2 * n)) + col_offset;
-            const uint4 r = Philox::generate(
-                make_uint4(uint32_t(j) >> 5, uint32_t(i) >> 4,
-                           (uint32_t(head) << 5) | (uint32_t(i & 7) << 2) | (uint32_t(j & 7) >> 1), c3),
-                rng.x, rng.y);
+            const uint4 r = call(rng, get<0>(c(2 * u, 2 * n)) + row_offset, get<1>(c(2 * u, 2 * n)) + col_offset);
             keep[0][0] = below(r.x), keep[1][0] = below(r.y), keep[0][1] = below(r.z), keep[1][1] = below(r.w);
           }
           // Bytes 0, 1 of the mask from byte b of keep[a][0], bytes 2, 3 from byte b of
