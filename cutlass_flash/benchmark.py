@@ -266,6 +266,9 @@ def time_interleaved(fns, warmup=3, rounds=5, budget_ms=200.0, max_batch=1000):
     idle gap read up to 10% faster than the same code timed later (PERFLOG.md, entry 17).
     A batch is timed between two events rather than each call, because per-call events add the
     host's launch latency to every call whenever the host is the slower side (short problems).
+    One untimed round runs first: on a lent H100 the first two rounds after the warmup calls ran
+    up to 10% faster than the later ones (the clock settles under sustained load), which with 3
+    rounds moved medians by the implementation's place in the order (PERFLOG.md, entry 70).
     """
     batch = {}
     for label, (fn, context) in fns.items():
@@ -273,9 +276,11 @@ def time_interleaved(fns, warmup=3, rounds=5, budget_ms=200.0, max_batch=1000):
             _batch_ms(fn, context, 1)
         batch[label] = max(1, min(max_batch, int(budget_ms / rounds / max(_batch_ms(fn, context, 1), 1e-3))))
     times = {label: [] for label in fns}
-    for _ in range(rounds):
+    for r in range(rounds + 1):
         for label, (fn, context) in fns.items():
-            times[label].append(_batch_ms(fn, context, batch[label]))
+            t = _batch_ms(fn, context, batch[label])
+            if r > 0:
+                times[label].append(t)
     return {label: statistics.median(t) for label, t in times.items()}
 
 

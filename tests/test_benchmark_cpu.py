@@ -27,7 +27,8 @@ def test_flops_follow_flashattention():
 
 def test_interleaved_rounds(monkeypatch):
     # Every round times each implementation once, in column order; batches are sized from the
-    # single-call estimate; the median over rounds is reported.
+    # single-call estimate; a first, settling round is discarded (here 10x slower: it must not
+    # reach the result); the median over the other rounds is reported.
     calls = []
     per_call = {"a": 2.0, "b": 0.5}
     drift = iter(range(1000))
@@ -35,13 +36,16 @@ def test_interleaved_rounds(monkeypatch):
     def fake_batch(fn, context, n):
         label = fn()
         calls.append((label, n))
-        return per_call[label] + (next(drift) % 3) * 0.01 if n > 1 else per_call[label]
+        if n == 1:
+            return per_call[label]
+        settling = sum(1 for c in calls if c[1] > 1) <= len(per_call)
+        return per_call[label] * (10 if settling else 1) + (next(drift) % 3) * 0.01
 
     monkeypatch.setattr(benchmark, "_batch_ms", fake_batch)
     fns = {"a": (lambda: "a", contextlib.nullcontext), "b": (lambda: "b", contextlib.nullcontext)}
     times = benchmark.time_interleaved(fns, warmup=2, rounds=4, budget_ms=40.0)
     timed = [c for c in calls if c[1] > 1]
-    assert [label for label, _ in timed] == ["a", "b"] * 4
+    assert [label for label, _ in timed] == ["a", "b"] * 5
     assert {label: n for label, n in timed} == {"a": 5, "b": 20}  # 40 ms / 4 rounds / per call
     assert times["a"] == pytest.approx(2.0, abs=0.021) and times["b"] == pytest.approx(0.5, abs=0.021)
 
@@ -207,3 +211,21 @@ def test_fwd_and_fwdbwd_and_report(tmp_path, capsys):
     benchmark.write_report("| a |\n", str(tmp_path / "r"), "t.md")
     assert (tmp_path / "r" / "t.md").read_text() == "| a |\n"
     assert "| a |" in capsys.readouterr().out
+
+
+def test_interleaved_settling_round_is_discarded(monkeypatch):
+    # With one timed round the result is that round's time alone, not a median with the first,
+    # settling round (which reads 10x here).
+    timed = []
+
+    def fake_batch(fn, context, n):
+        if n == 1:
+            return 1.0
+        timed.append(n)
+        return 10.0 if len(timed) == 1 else 1.0
+
+    monkeypatch.setattr(benchmark, "_batch_ms", fake_batch)
+    times = benchmark.time_interleaved({"a": (lambda: None, contextlib.nullcontext)}, warmup=1, rounds=1,
+                                       budget_ms=5.0)
+    assert len(timed) == 2
+    assert times["a"] == 1.0
