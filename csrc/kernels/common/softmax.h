@@ -3,6 +3,14 @@
 // Works on a score tile viewed as (rows, cols) where a row is spread over the 4 threads of a quad,
 // which holds for both mma.sync m16n8k16 and wgmma accumulators. Exponentials use exp2 with the
 // softmax scale folded into log2(e), so each score costs one FFMA and one MUFU.EX2.
+//
+// The running row max that offsets the exponentials is raised only when a key block's max
+// exceeds it by more than kRescaleThreshold (log2 units), so P stays <= 2^8 and the output
+// accumulator is rescaled only in the steps where some row of the warp raised its max (after the
+// first few key blocks, rarely): the rescale is d / 2 FMULs per thread and step (64 at d = 128, a
+// tenth of a consumer warp's instructions per step, ncu). Stale or not, the offset cancels in
+// O = sum(P V) / sum(P) and LSE = offset + log(sum(P)); P <= 256 is exact in bf16/fp16 exponent
+// range and adds at most 8 bits to the fp32 row sums (FlashAttention-4's conditional rescaling).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -45,24 +53,29 @@ struct OnlineSoftmax {
     return m == -INFINITY ? 0.f : m * scale_log2;
   }
 
+  static constexpr float kRescaleThreshold = 8.f;
+
   // Turns `scores` (rows, cols) into unnormalised probabilities in place and returns, per row,
-  // the factor exp(old_max - new_max) by which the output accumulator must be rescaled. The
-  // rescale is left to the caller: the sm90 mainloop applies it later, once no wgmma is writing
-  // the accumulator. The row sums stay per-thread partial sums until finalize(), saving two
-  // shuffles per row per tile.
+  // the factor exp(old_max - new_max) by which the output accumulator must be rescaled (1 where
+  // the max was kept). The rescale is left to the caller: the sm90 mainloop applies it later,
+  // once no wgmma is writing the accumulator. The row sums stay per-thread partial sums until
+  // finalize(), saving two shuffles per row per tile.
   template <bool kFirst, typename TensorS>
   __device__ __forceinline__ auto max_and_exp(TensorS& scores) {
     static_assert(decltype(cute::size<0>(scores))::value == kNRows);
     auto correction = cute::make_tensor<float>(cute::Shape<cute::Int<kNRows>>{});
     CUTE_UNROLL
     for (int mi = 0; mi < kNRows; ++mi) {
-      float m = kFirst ? -INFINITY : row_max(mi);
+      const float m_old = row_max(mi);
+      float m = kFirst ? -INFINITY : m_old;
       CUTE_UNROLL
       for (int ni = 0; ni < cute::size<1>(scores); ++ni) m = MaxOp{}(m, scores(mi, ni));
       m = quad_allreduce(m, MaxOp{});
-      correction(mi) = kFirst ? 1.f : exp2f(scaled_max(row_max(mi)) - scaled_max(m));
-      row_max(mi) = m;
-      const float offset = scaled_max(m);
+      // A row that has seen only masked keys (max -inf) takes the new max whatever it is.
+      const bool raise = kFirst || m_old == -INFINITY || (m - m_old) * scale_log2 > kRescaleThreshold;
+      correction(mi) = kFirst || !raise ? 1.f : exp2f(scaled_max(m_old) - scaled_max(m));
+      if (raise) row_max(mi) = m;
+      const float offset = scaled_max(row_max(mi));
       float s = 0.f;
       CUTE_UNROLL
       for (int ni = 0; ni < cute::size<1>(scores); ++ni) {
@@ -74,9 +87,14 @@ struct OnlineSoftmax {
     return correction;
   }
 
-  // Multiplies each row of acc_o (rows, d) by its correction factor from max_and_exp().
+  // Multiplies each row of acc_o (rows, d) by its correction factor from max_and_exp(), unless
+  // every factor of the warp is 1 (a warp-uniform skip: the whole warp must call it).
   template <typename TensorO, typename TensorC>
   __device__ __forceinline__ static void rescale(TensorO& acc_o, const TensorC& correction) {
+    bool any = false;
+    CUTE_UNROLL
+    for (int mi = 0; mi < kNRows; ++mi) any |= correction(mi) != 1.f;
+    if (!__any_sync(0xffffffff, any)) return;
     CUTE_UNROLL
     for (int mi = 0; mi < kNRows; ++mi) {
       CUTE_UNROLL
