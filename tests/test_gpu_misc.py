@@ -431,3 +431,35 @@ def test_softcap_with_alibi_forward(arch, causal, head_dim):
     qg = q.clone().requires_grad_()
     with cutlass_flash.force_arch(arch), pytest.raises(NotImplementedError, match="softcap and alibi_slopes"):
         flash_attn_func(qg, k, v, causal=causal, softcap=case.softcap, alibi_slopes=slopes).sum().backward()
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("arch", kernel_archs(), ids=lambda a: f"sm{a}")
+def test_row_max_rising_along_the_walk(arch, head_dim, dtype):
+    """Logits that rise by 5 (log2 units) per 128 keys in the order the kernels walk the keys (from
+    the last key block down): the forward keeps a stale row max while a key block's max stays
+    within 2^8 of it (P up to 256 there) and rescales when it rises further, about every second
+    block (common/softmax.h); the last blocks walked carry most of the weight, so a wrong rescale
+    or offset shows. By the accuracy rule on out, lse and the gradients. Each query has a
+    component along one direction u, each key one that grows towards key 0."""
+    case = Case(2, 300, 1100, 4, 2, head_dim, dtype, False, arch)
+    skip_if_not_built(case)
+    q, k, v = (t.detach() for t in make_inputs(case, "cuda"))
+    g = torch.Generator(device="cuda").manual_seed(case.seed + 1)
+    u = torch.randn(head_dim, device="cuda", generator=g)
+    u /= u.norm()
+    c = 4.0  # q's component along u
+    log2_per_unit = c * math.log2(math.e) / math.sqrt(head_dim)  # scaled log2 score per unit of k along u
+    ramp = torch.arange(case.seqlen_k - 1, -1, -1, device="cuda", dtype=torch.float32) * (5.0 / 128) / log2_per_unit
+    q = (q.float() + c * u).to(q.dtype).requires_grad_()
+    k = (k.float() + ramp.view(1, -1, 1, 1) * u).to(k.dtype).requires_grad_()
+    v = v.clone().requires_grad_()
+    dout = make_dout(case, "cuda")
+    with cutlass_flash.force_arch(arch):
+        out, lse = flash_attn_func(q, k, v, return_lse=True)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref = reference_outputs(q, k, v, dout, dtype=torch.float64)
+    same = reference_outputs(q, k, v, dout)
+    for name, o, s, r in zip(OUTPUT_NAMES, (out, lse) + grads, same, ref):
+        assert_within_tolerance(f"{case.id}: {name}", o, s, r, slack=1e-3)
