@@ -63,8 +63,12 @@ class Family:
     # default with any subset of `sass_allowed`.
     sass_default: Tuple[str, ...]
     sass_allowed: Tuple[str, ...]
-    # Macros defined at the top of each translation unit, before any CUTLASS header.
-    defines: Tuple[str, ...] = ()
+    # wgmma families: the (direction, head_dim) instantiations whose tiles have a GEMM N outside
+    # CuTe's standard wgmma shapes; only their translation units define
+    # CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED (about 23 s of nvcc a file, sm90/utils.h), and every
+    # translation unit of the family checks its entry against the traits at compile time. None:
+    # no wgmma.
+    extended_gmma: Optional[Tuple[Tuple[str, int], ...]] = None
     # Head dims of the backward when it covers fewer than `head_dims`; the others run on another
     # family's backward (cutlass_flash/_dispatch.py: FALLBACK_ARCH).
     bwd_head_dims: Optional[Tuple[int, ...]] = None
@@ -110,13 +114,14 @@ FAMILIES: Tuple[Family, ...] = (
            varlen=("fwd", "bwd")),
     # Hopper (FlashAttention-3-style: TMA, wgmma, warp specialization). wgmma and setmaxnreg
     # exist only in the arch-specific sm_90a target.
-    # CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED: wgmma atoms with N = 80, 112, ... (else CuTe splits
-    # an N = 80 GEMM into five 64x16 atoms).
     # Backward at every head dim: keys per warpgroup at d <= 128, split d at 192 and 256
     # (sm90/tile_config.h).
     Family(arch=90, directions=("fwd", "bwd"), head_dims=HEAD_DIMS,
            sass_default=("90a",), sass_allowed=("90a",),
-           defines=("CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",),
+           # The forward's 80-key blocks at d = 256 and the backward's 48 dQ columns a warpgroup at
+           # d = 96 (sm90/tile_config.h); without the extended shapes CuTe would split such a GEMM
+           # into 16-wide atoms.
+           extended_gmma=(("fwd", 256), ("bwd", 96)),
            # The persistent forward's tile counter (one int, sm90/tile_scheduler.h) in one
            # FWD_WORKSPACE_ALIGN unit.
            fwd_workspace_bytes=16,
@@ -424,7 +429,15 @@ def all_instantiations() -> List[Instantiation]:
 def translation_unit(inst: Instantiation) -> str:
     fam = inst.family
     elem = DTYPES[inst.dtype][1]
-    defines = "".join(f"#define {d}\n" for d in fam.defines)
+    defines = check = ""
+    if fam.extended_gmma is not None:
+        extended = (inst.direction, inst.head_dim) in fam.extended_gmma
+        if extended:
+            defines = "#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED\n"
+        check = f"""static_assert({fam.namespace}::{inst.direction}_extended_gmma<{inst.head_dim}, {elem}>() == {str(extended).lower()},
+              "csrc/generate.py's Family.extended_gmma disagrees with this instantiation's wgmma shapes");
+
+"""
     return f"""{MARKER}
 // {inst.describe()}.
 {defines}#include <cutlass/numeric_types.h>
@@ -434,7 +447,7 @@ def translation_unit(inst: Instantiation) -> str:
 
 namespace cutlass_flash {{
 
-template <>
+{check}template <>
 Status {inst.function}(const {inst.params_type}& params, cudaStream_t stream) {{
   return {fam.namespace}::run_{inst.direction}<{inst.head_dim}, {elem}>(params, stream);
 }}

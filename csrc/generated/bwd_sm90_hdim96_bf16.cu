@@ -8,6 +8,9 @@
 
 namespace cutlass_flash {
 
+static_assert(sm90::bwd_extended_gmma<96, cutlass::bfloat16_t>() == true,
+              "csrc/generate.py's Family.extended_gmma disagrees with this instantiation's wgmma shapes");
+
 template <>
 Status run_bwd_kernel<90, 96, DType::kBFloat16>(const BwdParams& params, cudaStream_t stream) {
   return sm90::run_bwd<96, cutlass::bfloat16_t>(params, stream);

@@ -8,6 +8,9 @@
 
 namespace cutlass_flash {
 
+static_assert(sm90::fwd_extended_gmma<256, cutlass::half_t>() == true,
+              "csrc/generate.py's Family.extended_gmma disagrees with this instantiation's wgmma shapes");
+
 template <>
 Status run_fwd_kernel<90, 256, DType::kFloat16>(const FwdParams& params, cudaStream_t stream) {
   return sm90::run_fwd<256, cutlass::half_t>(params, stream);

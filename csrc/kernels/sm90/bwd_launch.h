@@ -97,16 +97,28 @@ Status run_bwd_features(const BwdParams& params, cudaStream_t stream) {
   return run_bwd_mainloop<Mainloop<Traits, AllScoreFeatures>>(params, stream);
 }
 
+// The backward's layout and traits of a head dim (sm90/tile_config.h).
+template <int kHeadDim, typename Element>
+using BwdTraitsOf = std::conditional_t<
+    bwd_tile(kHeadDim).layout == BwdLayout::kKeysPerWarpgroup,
+    BwdTraits<kHeadDim, bwd_tile(kHeadDim).block_m, bwd_tile(kHeadDim).mma_warpgroups, bwd_tile(kHeadDim).stages,
+              Element>,
+    BwdTraitsSplitD<kHeadDim, bwd_tile(kHeadDim).block_m, bwd_tile(kHeadDim).stages, Element>>;
+
+// Whether they need CuTe's extended wgmma shapes: the generated translation unit checks it
+// against the generator's table.
+template <int kHeadDim, typename Element>
+constexpr bool bwd_extended_gmma() {
+  return BwdTraitsOf<kHeadDim, Element>::kExtendedGmma;
+}
+
 template <int kHeadDim, typename Element>
 Status run_bwd(const BwdParams& params, cudaStream_t stream) {
-  constexpr BwdTile kTile = bwd_tile(kHeadDim);
-  if constexpr (kTile.layout == BwdLayout::kKeysPerWarpgroup) {
-    return run_bwd_features<BwdMainloop, BwdTraits<kHeadDim, kTile.block_m, kTile.mma_warpgroups, kTile.stages, Element>>(
-        params, stream);
-  } else {
-    return run_bwd_features<BwdMainloopSplitD, BwdTraitsSplitD<kHeadDim, kTile.block_m, kTile.stages, Element>>(params,
-                                                                                                            stream);
-  }
+  using Traits = BwdTraitsOf<kHeadDim, Element>;
+  if constexpr (bwd_tile(kHeadDim).layout == BwdLayout::kKeysPerWarpgroup)
+    return run_bwd_features<BwdMainloop, Traits>(params, stream);
+  else
+    return run_bwd_features<BwdMainloopSplitD, Traits>(params, stream);
 }
 
 }  // namespace cutlass_flash::sm90

@@ -152,8 +152,12 @@ struct BwdTraits : BwdTraitsBase<kHeadDim_, kBlockM_, 64 * kNMmaWarpGroups_, kNM
   static_assert(size<1>(typename TiledMmaSdP::AtomShape_MNK{}) == kBlockM &&
                     size<1>(typename TiledMmadKV::AtomShape_MNK{}) == kHeadDim &&
                     size<1>(typename TiledMmadQ::AtomShape_MNK{}) == kdQCols,
-                "one wgmma per k16 slice: define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED before any "
-                "CUTLASS header (the generated translation units do)");
+                "one wgmma per k16 slice: a wgmma N outside CuTe's standard shapes needs "
+                "CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED before any CUTLASS header (list this "
+                "instantiation in csrc/generate.py's Family.extended_gmma)");
+  // Whether a GEMM's N needs CuTe's extended wgmma shapes (sm90/utils.h: standard_gmma_n).
+  static constexpr bool kExtendedGmma =
+      !standard_gmma_n(kBlockM) || !standard_gmma_n(kHeadDim) || !standard_gmma_n(kdQCols);
 
   // dQ of one step in fp32, thread-major (dq_index), reduced into the workspace by one bulk add.
   // Two buffers: the consumers stage step i + 1's dQ while the dQ thread still adds step i's,
@@ -221,8 +225,11 @@ struct BwdTraitsSplitD : BwdTraitsBase<kHeadDim_, kBlockM_, 64, 2, kStages_, kHe
   static_assert(size<1>(typename TiledMmaSdP::AtomShape_MNK{}) == kBlockM / 2 &&
                     size<1>(typename TiledMmadKV::AtomShape_MNK{}) == kHeadDim / 2 &&
                     size<1>(typename TiledMmadQ::AtomShape_MNK{}) == kdQCols,
-                "one wgmma per k16 slice: define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED before any "
-                "CUTLASS header (the generated translation units do)");
+                "one wgmma per k16 slice: a wgmma N outside CuTe's standard shapes needs "
+                "CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED before any CUTLASS header (list this "
+                "instantiation in csrc/generate.py's Family.extended_gmma)");
+  static constexpr bool kExtendedGmma =
+      !standard_gmma_n(kBlockM / 2) || !standard_gmma_n(kHeadDim / 2) || !standard_gmma_n(kdQCols);
 
   struct SharedStorage : Base::SharedStorageBase {
     cute::array_aligned<Element, cosize_v<typename Base::SmemLayoutdS>, 1024> p;  // P^T, as dS

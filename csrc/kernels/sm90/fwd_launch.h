@@ -75,10 +75,21 @@ Status run_fwd_traits(const FwdParams& params, cudaStream_t stream, int tile_gro
   return cuda_status(cudaGetLastError(), "sm90 forward launch");
 }
 
+// The forward's configuration of a head dim (sm90/tile_config.h).
+template <int kHeadDim, typename Element>
+using FwdTraitsOf = FwdTraits<kHeadDim, fwd_tile(kHeadDim).block_m, fwd_tile(kHeadDim).block_n,
+                              fwd_tile(kHeadDim).stages, Element>;
+
+// Whether that configuration needs CuTe's extended wgmma shapes: the generated translation unit
+// checks it against the generator's table.
+template <int kHeadDim, typename Element>
+constexpr bool fwd_extended_gmma() {
+  return FwdTraitsOf<kHeadDim, Element>::kExtendedGmma;
+}
+
 template <int kHeadDim, typename Element>
 Status run_fwd(const FwdParams& params, cudaStream_t stream) {
-  constexpr FwdTile kTile = fwd_tile(kHeadDim);
-  using Traits = FwdTraits<kHeadDim, kTile.block_m, kTile.block_n, kTile.stages, Element>;
+  using Traits = FwdTraitsOf<kHeadDim, Element>;
   if constexpr (Traits::kDropoutKernel) {
     if (NoDropout::covers(params.problem)) return run_fwd_traits<Traits, NoDropout>(params, stream);
   }

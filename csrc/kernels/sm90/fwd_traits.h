@@ -11,6 +11,7 @@
 
 #include "cutlass_flash/params.h"
 #include "kernels/sm90/tile_scheduler.h"
+#include "kernels/sm90/utils.h"
 
 namespace cutlass_flash::sm90 {
 
@@ -53,8 +54,11 @@ struct FwdTraits {
       GMMA::rs_op_selector<Element, Element, float, TileShapePV, GMMA::Major::K, GMMA::Major::MN>()));
   static_assert(size<1>(typename TiledMmaQK::AtomShape_MNK{}) == kBlockN &&
                     size<1>(typename TiledMmaPV::AtomShape_MNK{}) == kHeadDim,
-                "one wgmma per k16 slice: define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED before any "
-                "CUTLASS header (the generated translation units do)");
+                "one wgmma per k16 slice: a wgmma N outside CuTe's standard shapes needs "
+                "CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED before any CUTLASS header (list this "
+                "instantiation in csrc/generate.py's Family.extended_gmma)");
+  // Whether a GEMM's N needs CuTe's extended wgmma shapes (sm90/utils.h: standard_gmma_n).
+  static constexpr bool kExtendedGmma = !standard_gmma_n(kBlockN) || !standard_gmma_n(kHeadDim);
 
   // Swizzled K-major layouts (128-byte swizzle when a row is a multiple of 64 elements), as TMA
   // writes them and wgmma reads them without bank conflicts.

@@ -22,6 +22,16 @@ __device__ __forceinline__ int opaque_thread_idx() {
 
 using namespace cute;
 
+// The wgmma N extents CuTe's GMMA op selectors offer without CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+// (cute/arch/mma_sm90.hpp). Any other N (80, 48, ...) needs that macro, whose 76k lines of atoms
+// cost about 23 s of nvcc per translation unit (14.6 s in cudafe++, 7.8 s in cicc, measured on a
+// file that only includes cute/tensor.hpp), so the generator defines it only in the translation
+// units whose tiles need it (csrc/generate.py: Family.extended_gmma) and each of them checks its
+// entry against the traits' kExtendedGmma.
+constexpr bool standard_gmma_n(int n) {
+  return n == 8 || n == 16 || n == 32 || n == 64 || n == 96 || n == 128 || n == 192 || n == 256;
+}
+
 // C (+)= A * B as one wgmma batch over the K slices. kWait >= 0 waits until at most kWait batches
 // are in flight; -1 returns at once, leaving the GEMM running behind the caller's next work.
 // A is a shared-memory descriptor tensor or registers (then fenced, as wgmma reads them late).
