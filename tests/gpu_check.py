@@ -35,6 +35,15 @@ def skip_if_not_built(case):
         pytest.skip(f"kernels not in this build: {missing}")
 
 
+def skip_unless_auto_built(head_dim, dtype):
+    """Skips a test whose calls (forward and backward, the family the dispatch picks on this GPU)
+    need kernels of head_dim (padded) and dtype ("bf16" / "fp16") that a restricted build lacks
+    (CUTLASS_FLASH_FWD_ONLY, _HEAD_DIMS, _DTYPES), instead of failing with NotImplementedError."""
+    from cases import Case, kernel_archs
+
+    skip_if_not_built(Case(1, 1, 1, 1, 1, head_dim, dtype, False, max(kernel_archs())))
+
+
 def check_case(case, device="cuda"):
     """Forward and backward of one case against the float64 reference, by the accuracy rule."""
     skip_if_not_built(case)

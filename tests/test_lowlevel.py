@@ -176,6 +176,7 @@ def test_varlen_pair(fake_backend):
 
 @pytest.mark.gpu
 def test_varlen_pair_on_the_gpu():
-    if not cutlass_flash.built_kernels() or 64 not in {h for _, _, h, _ in cutlass_flash.built_kernels()}:
-        pytest.skip("no d = 64 kernels in this build")
+    from gpu_check import skip_unless_auto_built
+
+    skip_unless_auto_built(64, "bf16")
     _varlen_pair_check("cuda")

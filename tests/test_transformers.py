@@ -10,19 +10,23 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import cutlass_flash.integrations.transformers as hf  # noqa: E402  (registers the name)
+from gpu_check import skip_unless_auto_built  # noqa: E402
 
 VOCAB = 128
 
 
+HEAD_DIM = 16  # of every config below (zero-padded to the smallest instantiated head dim)
+
+
 def _config(kind):
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    common = dict(vocab_size=VOCAB, hidden_size=4 * HEAD_DIM, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     if kind == "llama":
         return transformers.LlamaConfig(**common)
     if kind == "mistral":
         return transformers.MistralConfig(**common, sliding_window=8)
     if kind == "gemma2":
-        return transformers.Gemma2Config(**common, head_dim=16, sliding_window=8,
+        return transformers.Gemma2Config(**common, head_dim=HEAD_DIM, sliding_window=8,
                                          attn_logit_softcapping=20.0, final_logit_softcapping=None,
                                          query_pre_attn_scalar=16)
     raise ValueError(kind)
@@ -199,6 +203,7 @@ def test_packed_batch(kind):
 
 @pytest.mark.gpu
 def test_attention_dropout():
+    skip_unless_auto_built(HEAD_DIM, "bf16")
     _check_attention_dropout("cuda", steps=30)
 
 
@@ -206,4 +211,5 @@ def test_attention_dropout():
 @pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
 def test_training(kind):
     """30 training steps: our loss curve matches transformers' own attention's."""
+    skip_unless_auto_built(HEAD_DIM, "bf16")
     _check_training(kind, "cuda", steps=30)
