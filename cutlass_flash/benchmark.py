@@ -412,6 +412,10 @@ def fa3_info():
     return text + f"; built {','.join(dtypes)}, head dims {','.join(map(str, head_dims))}"
 
 
+# FlashAttention-3's deterministic backward exists up to this head dim (rounded up to 8).
+FA3_DETERMINISTIC_MAX_HEAD_DIM = 248
+
+
 def _fa3(causal, deterministic=False):
     fa3 = _fa3_interface()
     dtypes, head_dims = _fa3_built()
@@ -422,6 +426,10 @@ def _fa3(causal, deterministic=False):
         if q.dtype not in built or q.shape[-1] not in head_dims:
             raise ValueError(f"FA3 build has no kernel for {q.dtype} head_dim {q.shape[-1]} "
                              f"(built: {','.join(dtypes)}; {','.join(map(str, head_dims))})")
+        # FA3 refuses it (flash_api.cpp: "Deterministic backward not supported for hdim 256"),
+        # and in one H100 run (2026-11-25) its refusal took the benchmark process down with it.
+        if deterministic and q.shape[-1] > FA3_DETERMINISTIC_MAX_HEAD_DIM:
+            raise ValueError(f"FA3 has no deterministic backward at head_dim {q.shape[-1]}")
         out = fa3.flash_attn_func(q, k, v, causal=causal, **({"deterministic": True} if deterministic else {}))
         # Older FA3 returns (out, softmax_lse); newer returns out unless return_attn_probs.
         return out[0] if isinstance(out, (tuple, list)) else out

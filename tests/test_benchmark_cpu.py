@@ -149,6 +149,12 @@ def test_fa3_det_column_passes_deterministic(monkeypatch, fresh_fa3):
     for label in ("fa3", "fa3-det"):
         assert torch.equal(impls[label](False)(q, q, q), q * 2)
     assert calls == [(False, False), (False, True)]
+    # FA3 has no deterministic backward at head dim 256: n/a with the reason, FA3 never called.
+    q256 = torch.ones(1, 4, 2, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="no deterministic backward at head_dim 256"):
+        impls["fa3-det"](False)(q256, q256, q256)
+    assert torch.equal(impls["fa3"](False)(q256, q256, q256), q256 * 2)
+    assert calls == [(False, False), (False, True), (False, False)]
 
 
 def _bench_script(name):
