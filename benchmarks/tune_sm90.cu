@@ -163,8 +163,10 @@ int main() {
       run_config<128, 160, 2>(b, params, elems, false);
 #elif TUNE_HEAD_DIM == 128
       run_config<128, 128, 2>(b, params, elems, true);
+      run_config<128, 144, 2>(b, params, elems, false);
+      run_config<128, 160, 2>(b, params, elems, false);
       run_config<128, 176, 2>(b, params, elems, false);
-      run_config<128, 128, 3>(b, params, elems, false);
+      run_config<128, 192, 2>(b, params, elems, false);
 #elif TUNE_HEAD_DIM == 192
       run_config<128, 96, 2>(b, params, elems, true);
       run_config<128, 112, 2>(b, params, elems, false);

@@ -241,8 +241,12 @@ def write_graph(insts, table: Path, tc: Toolchain,
     # ninja starts ready edges in the order they are written: the costliest first (more SASS
     # targets, then the backward, whose kernels take ptxas longer), so that no long job starts
     # last and runs alone (LPT order; 289 -> 276 s simulated on the 16-core machine's job times).
-    def cost(inst) -> Tuple[int, int]:
-        return (-len(sass_targets(inst.gencode)), 0 if inst.direction == "bwd" else 1)
+    # Measured on the 16-core GPU machine (PERFLOG 72): sm80 backward 103-122 s, sm80 forward
+    # 62-92 s, the two sm90 instantiations with CuTe's extended wgmma shapes 75-94 s, the other
+    # sm90 ones 39-57 s; those two last in the queue made the tail (a simulation of the measured
+    # times: 230 s against 214 s with them first among the sm90 files).
+    def cost(inst) -> Tuple[int, int, int]:
+        return (-len(sass_targets(inst.gencode)), 0 if inst.extended_gmma else 1, 0 if inst.direction == "bwd" else 1)
 
     for inst in sorted(insts, key=cost):
         edge(rules[(inst.family.namespace, tuple(inst.gencode))], inst.stem + ".o", inst.source,

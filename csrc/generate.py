@@ -395,6 +395,12 @@ class Instantiation:
         return f"{self.direction}_sm{self.arch}_hdim{self.head_dim}_{self.dtype}"
 
     @property
+    def extended_gmma(self) -> bool:
+        """Whether the translation unit defines CuTe's extended wgmma shapes (Family.extended_gmma)."""
+        ext = self.family.extended_gmma
+        return ext is not None and (self.direction, self.head_dim) in ext
+
+    @property
     def filename(self) -> str:
         return self.stem + ".cu"
 
@@ -431,10 +437,9 @@ def translation_unit(inst: Instantiation) -> str:
     elem = DTYPES[inst.dtype][1]
     defines = check = ""
     if fam.extended_gmma is not None:
-        extended = (inst.direction, inst.head_dim) in fam.extended_gmma
-        if extended:
+        if inst.extended_gmma:
             defines = "#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED\n"
-        check = f"""static_assert({fam.namespace}::{inst.direction}_extended_gmma<{inst.head_dim}, {elem}>() == {str(extended).lower()},
+        check = f"""static_assert({fam.namespace}::{inst.direction}_extended_gmma<{inst.head_dim}, {elem}>() == {str(inst.extended_gmma).lower()},
               "csrc/generate.py's Family.extended_gmma disagrees with this instantiation's wgmma shapes");
 
 """
