@@ -9,8 +9,8 @@
 // accumulator is rescaled only in the steps where some row of the warp raised its max (after the
 // first few key blocks, rarely): the rescale is d / 2 FMULs per thread and step (64 at d = 128, a
 // tenth of a consumer warp's instructions per step, ncu). Stale or not, the offset cancels in
-// O = sum(P V) / sum(P) and LSE = offset + log(sum(P)); P <= 256 is exact in bf16/fp16 exponent
-// range and adds at most 8 bits to the fp32 row sums (FlashAttention-4's conditional rescaling).
+// O = sum(P V) / sum(P) and LSE = offset + log(sum(P)); P <= 256 keeps bf16/fp16's relative
+// precision and adds at most 8 bits to the fp32 row sums (FlashAttention-4's conditional rescaling).
 #pragma once
 
 #include <cute/tensor.hpp>
