@@ -412,8 +412,9 @@ def fa3_info():
     return text + f"; built {','.join(dtypes)}, head dims {','.join(map(str, head_dims))}"
 
 
-# FlashAttention-3's deterministic backward exists up to this head dim (rounded up to 8).
-FA3_DETERMINISTIC_MAX_HEAD_DIM = 248
+# FlashAttention-3's deterministic backward exists up to this head dim: it rounds a head dim up
+# to 64 / 96 / 128 / 192 / 256 and refuses the rounded 256 (flash_api.cpp).
+FA3_DETERMINISTIC_MAX_HEAD_DIM = 192
 
 
 def _fa3(causal, deterministic=False):

@@ -6,7 +6,7 @@ import torch
 import cutlass_flash
 import cutlass_flash.dropout
 from attn_ref import assert_within_tolerance, reference_outputs, slack
-from cases import make_dout, make_inputs, missing_kernels
+from cases import Case, kernel_archs, make_dout, make_inputs, missing_kernels
 
 OUTPUT_NAMES = ("out", "lse", "dq", "dk", "dv")
 
@@ -39,8 +39,6 @@ def skip_unless_auto_built(head_dim, dtype):
     """Skips a test whose calls (forward and backward, the family the dispatch picks on this GPU)
     need kernels of head_dim (padded) and dtype ("bf16" / "fp16") that a restricted build lacks
     (CUTLASS_FLASH_FWD_ONLY, _HEAD_DIMS, _DTYPES), instead of failing with NotImplementedError."""
-    from cases import Case, kernel_archs
-
     skip_if_not_built(Case(1, 1, 1, 1, 1, head_dim, dtype, False, max(kernel_archs())))
 
 

@@ -10,7 +10,7 @@ from cutlass_flash import flash_attn_func
 from cutlass_flash.lowlevel import _flash_attn_backward, _flash_attn_forward
 from attn_ref import assert_within_tolerance, attention_ref, reference_outputs
 from cases import Case, make_dout, make_inputs
-from gpu_check import skip_if_not_built
+from gpu_check import skip_if_not_built, skip_unless_auto_built
 
 CASES = [
     Case(2, 33, 47, 4, 2, 64, "bf16", True, 0),     # GQA, causal with seqlen_q < seqlen_k
@@ -176,7 +176,5 @@ def test_varlen_pair(fake_backend):
 
 @pytest.mark.gpu
 def test_varlen_pair_on_the_gpu():
-    from gpu_check import skip_unless_auto_built
-
     skip_unless_auto_built(64, "bf16")
     _varlen_pair_check("cuda")

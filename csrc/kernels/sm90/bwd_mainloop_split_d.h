@@ -149,8 +149,7 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_, Features_> {
         Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
         Base::template scores<kQueriesPerWarpgroup>(mma_sdp, tSrK, tSrQ, tdPrV, tdPrdO, pipeline_q, st_q, pipeline_do,
                                                     st_do, shared, query_offset, mask, softcap, alibi, alibi_slope, dropout,
-                                                    tScS, m,
-                                                    n_block, scale_log2, acc_s, acc_dp);
+                                                    tScS, m, n_block, scale_log2, acc_s, acc_dp);
         Tensor rP = convert_type<Element>(acc_s);
         Tensor rdS = convert_type<Element>(acc_dp);
         copy(r2s, thr_r2s.retile_S(rP), tPsP(_, _, _, buf));
