@@ -77,16 +77,27 @@ class Family:
     fwd_workspace_bytes: int = 0
     # Directions whose kernels take variable-length batches (AttnProblem::cu_seqlens_q / _k).
     varlen: Tuple[str, ...] = ()
-    # Directions whose kernels take softcap and ALiBi in one call: the forwards (both families
-    # checked on an H100, the sm80 one in its sm_90 machine code). The backwards recover tanh's
-    # value from P, which the bias shifts; adding it back cost the softcap backward without ALiBi
-    # 3-13% (sm90, d = 64 / 128) or spilled (sm80 at 255 registers, and sm90 d = 64 as a separate
-    # branch) (PERFLOG.md entry 64).
+    # Directions whose kernels take softcap and ALiBi in one call at every head dim: the forwards
+    # (both families checked on an H100, the sm80 one in its sm_90 machine code). Backwards that
+    # recover tanh's value from P cannot, as the bias shifts P; adding it back cost the softcap
+    # backward without ALiBi 3-13% (sm90, d = 64 / 128) or spilled (sm80 at 255 registers, and
+    # sm90 d = 64 as a separate branch) (PERFLOG.md entry 64).
     softcap_alibi: Tuple[str, ...] = ("fwd",)
+    # ... and the backward's head dims that take the pair all the same: those whose steps hold
+    # 1 - t^2 from tanh itself (the sm90 backward's 64-query steps, PERFLOG 66). Each generated
+    # backward translation unit of such a family checks its entry against the traits
+    # (<namespace>::bwd_holds_feature_values).
+    softcap_alibi_bwd_head_dims: Tuple[int, ...] = ()
     # Whether the deterministic backward walks upwards under a right-bounded mask with one dQ copy
     # (FlashAttention-3's causal order, sm90/bwd_kernel.h), and so keeps one copy up to
     # BWD_DQ_GROUPS_MIN_SEQLEN_K_RIGHT_BOUNDED keys there.
     bwd_walks_up: bool = False
+
+    def softcap_alibi_dims(self, direction: str) -> Tuple[int, ...]:
+        """Head dims whose `direction` kernels take softcap with ALiBi."""
+        if direction in self.softcap_alibi:
+            return self.head_dims_for(direction)
+        return self.softcap_alibi_bwd_head_dims if direction == "bwd" else ()
 
     def head_dims_for(self, direction: str) -> Tuple[int, ...]:
         if direction == "bwd" and self.bwd_head_dims is not None:
@@ -126,6 +137,7 @@ FAMILIES: Tuple[Family, ...] = (
            # FWD_WORKSPACE_ALIGN unit.
            fwd_workspace_bytes=16,
            bwd_walks_up=True,
+           softcap_alibi_bwd_head_dims=tuple(d for d in HEAD_DIMS if d >= 96),
            # TMA over the packed tensors from each sequence's first row; O by predicated stores.
            varlen=("fwd", "bwd")),
 )
@@ -361,8 +373,8 @@ FWD_WORKSPACE_ALIGN = {FWD_WORKSPACE_ALIGN}
 #: family arch -> directions whose kernels take variable-length batches (cu_seqlens).
 VARLEN = {{{', '.join(f"{f.arch}: {f.varlen!r}" for f in FAMILIES)}}}
 
-#: family arch -> directions whose kernels take softcap and alibi_slopes in one call.
-SOFTCAP_ALIBI = {{{', '.join(f"{f.arch}: {f.softcap_alibi!r}" for f in FAMILIES)}}}
+#: family arch -> {{direction: head dims whose kernels take softcap and alibi_slopes in one call}}.
+SOFTCAP_ALIBI = {{{', '.join(f"{f.arch}: {{{', '.join(f'{d!r}: {f.softcap_alibi_dims(d)!r}' for d in f.directions)}}}" for f in FAMILIES)}}}
 
 #: Dropout's mask function: Philox4x32 rounds.
 DROPOUT_PHILOX_ROUNDS = {DROPOUT_PHILOX_ROUNDS}
@@ -441,6 +453,12 @@ def translation_unit(inst: Instantiation) -> str:
             defines = "#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED\n"
         check = f"""static_assert({fam.namespace}::{inst.direction}_extended_gmma<{inst.head_dim}, {elem}>() == {str(inst.extended_gmma).lower()},
               "csrc/generate.py's Family.extended_gmma disagrees with this instantiation's wgmma shapes");
+
+"""
+    if inst.direction == "bwd" and fam.softcap_alibi_bwd_head_dims:
+        takes = inst.head_dim in fam.softcap_alibi_bwd_head_dims
+        check += f"""static_assert({fam.namespace}::bwd_holds_feature_values<{inst.head_dim}, {elem}>() == {str(takes).lower()},
+              "csrc/generate.py's Family.softcap_alibi_bwd_head_dims disagrees with this backward's steps");
 
 """
     return f"""{MARKER}
@@ -713,17 +731,26 @@ def dispatch_table_source(insts: Sequence[Instantiation], knobs: Knobs) -> str:
     lines += ["};", ""]
 
     # The catalogue: every family the generator knows, built or not, for the error messages.
+    def int_array(name, values):
+        """(name, count) of a const int array, (nullptr, 0) when empty (C++ has no empty arrays)."""
+        if not values:
+            return "nullptr", 0
+        lines.append(f"const int {name}[] = {{{', '.join(map(str, values))}}};")
+        return name, len(values)
+
+    softcap_alibi = {}
     for f in FAMILIES:
         lines.append(f"const int kFamilyHeadDims{f.arch}[] = "
                      f"{{{', '.join(map(str, f.head_dims))}}};")
+        for d in ("fwd", "bwd"):
+            softcap_alibi[(f.arch, d)] = int_array(f"kSoftcapAlibi{d.capitalize()}{f.arch}", f.softcap_alibi_dims(d))
     lines.append("const CatalogFamily kCatalog[] = {")
     for f in FAMILIES:
         lines.append(f"    {{{f.arch}, {'true' if 'fwd' in f.directions else 'false'}, "
                      f"{'true' if 'bwd' in f.directions else 'false'}, kFamilyHeadDims{f.arch}, "
                      f"{len(f.head_dims)}, {_cxx_str(f.sass_knob)}, {f.fwd_workspace_bytes}, "
                      f"{'true' if 'fwd' in f.varlen else 'false'}, {'true' if 'bwd' in f.varlen else 'false'}, "
-                     f"{'true' if 'fwd' in f.softcap_alibi else 'false'}, "
-                     f"{'true' if 'bwd' in f.softcap_alibi else 'false'}}},")
+                     f"{', '.join(f'{n}, {c}' for n, c in (softcap_alibi[(f.arch, 'fwd')], softcap_alibi[(f.arch, 'bwd')]))}}},")
     lines += ["};", ""]
     lines.append(f"const int kArchs[] = {{{', '.join(map(str, knobs.archs))}}};")
     lines.append(f"const int kHeadDims[] = {{{', '.join(map(str, knobs.head_dims))}}};")

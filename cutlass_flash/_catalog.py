@@ -22,8 +22,8 @@ FWD_WORKSPACE_ALIGN = 16
 #: family arch -> directions whose kernels take variable-length batches (cu_seqlens).
 VARLEN = {80: ('fwd', 'bwd'), 90: ('fwd', 'bwd')}
 
-#: family arch -> directions whose kernels take softcap and alibi_slopes in one call.
-SOFTCAP_ALIBI = {80: ('fwd',), 90: ('fwd',)}
+#: family arch -> {direction: head dims whose kernels take softcap and alibi_slopes in one call}.
+SOFTCAP_ALIBI = {80: {'fwd': (64, 96, 128, 192, 256), 'bwd': ()}, 90: {'fwd': (64, 96, 128, 192, 256), 'bwd': (96, 128, 192, 256)}}
 
 #: Dropout's mask function: Philox4x32 rounds.
 DROPOUT_PHILOX_ROUNDS = 7

@@ -98,7 +98,7 @@ def _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, determini
     dtype_name = _dispatch.DTYPE_NAMES[q.dtype]
     device = q.device
     arch = _dispatch.resolve_arch(arch, "fwd", padded, dtype_name, device, varlen is not None)
-    _validate.check_family_features(arch, "fwd", softcap, alibi_slopes)
+    _validate.check_family_features(arch, "fwd", padded, softcap, alibi_slopes)
     C = _dispatch.lib()
 
     pad = padded - head_dim
@@ -185,7 +185,7 @@ def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
     dtype_name = _dispatch.DTYPE_NAMES[q.dtype]
     device = q.device
     arch = _dispatch.resolve_arch(arch, "bwd", padded, dtype_name, device, varlen is not None)
-    _validate.check_family_features(arch, "bwd", softcap, alibi_slopes)
+    _validate.check_family_features(arch, "bwd", padded, softcap, alibi_slopes)
     C = _dispatch.lib()
 
     pad = padded - head_dim

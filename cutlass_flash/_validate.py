@@ -249,17 +249,17 @@ def check_alibi(alibi_slopes, batch, nheads, device):
         raise ValueError("alibi_slopes must have a contiguous last dimension; pass alibi_slopes.contiguous()")
 
 
-def check_family_features(arch, direction, softcap, alibi_slopes):
-    """Feature combinations a family's kernels have no path for (the generator's SOFTCAP_ALIBI):
-    softcap with ALiBi in the backwards, which recover tanh's value from P, which the bias
-    shifts."""
-    if softcap > 0 and alibi_slopes is not None and direction not in SOFTCAP_ALIBI.get(arch, ()):
-        takers = sorted(a for a, dirs in SOFTCAP_ALIBI.items() if direction in dirs)
-        where = f"the {', '.join(f'sm{a}' for a in takers)} family does" if takers else "no family does yet"
+def check_family_features(arch, direction, head_dim, softcap, alibi_slopes):
+    """Feature combinations a family's kernels have no path for at (padded) head_dim (the
+    generator's SOFTCAP_ALIBI): softcap with ALiBi in the backwards that recover tanh's value from
+    P, which the bias shifts (every sm80 backward, the sm90 one at d = 64)."""
+    if softcap > 0 and alibi_slopes is not None and head_dim not in SOFTCAP_ALIBI.get(arch, {}).get(direction, ()):
+        takers = sorted(a for a, dims in SOFTCAP_ALIBI.items() if head_dim in dims.get(direction, ()))
+        where = f"the {', '.join(f'sm{a}' for a in takers)} family does" if takers else "no family does"
         hint = "pass one of them, or run without gradients" if direction == "bwd" else "pass one of them"
         raise NotImplementedError(
-            f"cutlass_flash: the sm{arch} {'backward' if direction == 'bwd' else 'forward'} does not support "
-            f"softcap and alibi_slopes together ({where}); {hint}"
+            f"cutlass_flash: the sm{arch} {'backward' if direction == 'bwd' else 'forward'} at head_dim "
+            f"{head_dim} does not support softcap and alibi_slopes together ({where}); {hint}"
         )
 
 

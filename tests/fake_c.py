@@ -252,7 +252,8 @@ class FakeC:
             raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
         if kw["cu_seqlens_q"] and direction not in VARLEN.get(kw["arch"], ()):
             raise NotImplementedError(f"fake _C: sm{kw['arch']} has no variable-length {direction} kernel")
-        if kw["softcap"] > 0 and kw["alibi_slopes"] and direction not in SOFTCAP_ALIBI.get(kw["arch"], ()):
+        if (kw["softcap"] > 0 and kw["alibi_slopes"]
+                and kw["head_dim"] not in SOFTCAP_ALIBI.get(kw["arch"], {}).get(direction, ())):
             raise NotImplementedError(f"fake _C: sm{kw['arch']} {direction} takes no softcap with alibi_slopes")
         if kw["head_dim"] not in INSTANTIATED:
             raise ValueError(f"head_dim {kw['head_dim']} is not instantiated")

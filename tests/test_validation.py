@@ -182,20 +182,28 @@ def test_bad_arguments_raise_before_the_op(fake_backend, case):
     assert fake_backend.calls == []
 
 
-def test_softcap_with_alibi_forward_only(fake_backend):
-    """softcap with ALiBi (the generator's SOFTCAP_ALIBI): both forwards run the pair, both
-    backwards refuse it, naming it, before any kernel runs."""
+def test_softcap_with_alibi(fake_backend):
+    """softcap with ALiBi (the generator's SOFTCAP_ALIBI): both forwards run the pair at every
+    head dim; the sm90 backward from d = 96 (its 64-query steps hold tanh's derivative); the sm80
+    backward and the sm90 one at d = 64 refuse it, naming it and the family that takes it, before
+    any kernel runs."""
     slopes = torch.full((4,), 0.25)
-    for arch in (90, 80):
-        q, k, v = (torch.randn_like(t).requires_grad_() for t in qkv())
+    for arch, d, takes in ((90, 64, False), (90, 128, True), (80, 64, False), (80, 128, False)):
+        q, k, v = (torch.randn_like(t).requires_grad_() for t in qkv(d=d))
         fake_backend.calls.clear()
         with cutlass_flash.force_arch(arch):
             out = flash_attn_func(q, k, v, softcap=5.0, alibi_slopes=slopes)
-            assert [(d, a) for d, a, _ in fake_backend.calls] == [("fwd", arch)]
-            with pytest.raises(NotImplementedError,
-                               match=rf"sm{arch} backward does not support softcap and alibi_slopes together"):
+            assert [(dr, a) for dr, a, _ in fake_backend.calls] == [("fwd", arch)]
+            if takes:
                 out.sum().backward()
-        assert [d for d, _, _ in fake_backend.calls] == ["fwd"]
+                assert [(dr, a) for dr, a, _ in fake_backend.calls] == [("fwd", arch), ("bwd", arch)]
+                continue
+            where = "no family does" if d == 64 else "the sm90 family does"
+            with pytest.raises(NotImplementedError,
+                               match=rf"sm{arch} backward at head_dim {d} does not support softcap and "
+                                     rf"alibi_slopes together \({where}\)"):
+                out.sum().backward()
+        assert [dr for dr, _, _ in fake_backend.calls] == ["fwd"]
 
 
 @pytest.mark.parametrize("causal,window,seqlen_k,expected", [

@@ -217,8 +217,10 @@ Status check_problem(const AttnProblem& p, int arch, Direction dir) {
     return make(Status::kInvalidArgument, prefix(dir) + "unknown kernel family arch = " +
                                               to_string(arch) + " (known: " + known_families() + ")");
   if (p.softcap > 0.f && p.alibi_slopes != nullptr &&
-      !(dir == Direction::kForward ? fam->softcap_alibi_fwd : fam->softcap_alibi_bwd))
+      !(dir == Direction::kForward ? contains(fam->softcap_alibi_fwd, fam->num_softcap_alibi_fwd, p.head_dim)
+                                   : contains(fam->softcap_alibi_bwd, fam->num_softcap_alibi_bwd, p.head_dim)))
     return make(Status::kNotBuilt, prefix(dir) + "the sm" + to_string(arch) + " family's " + direction_word(dir) +
+                                       " at head_dim = " + to_string(p.head_dim) +
                                        " does not take softcap and alibi_slopes together (csrc/generate.py: "
                                        "Family.softcap_alibi says why)");
   if (p.is_varlen() && !(dir == Direction::kForward ? fam->varlen_fwd : fam->varlen_bwd))

@@ -33,8 +33,11 @@ struct CatalogFamily {
   size_t fwd_workspace_bytes;
   bool varlen_fwd;  // the forward takes variable-length batches (AttnProblem::cu_seqlens_q / _k)
   bool varlen_bwd;  // the backward does
-  bool softcap_alibi_fwd;  // the forward takes softcap and alibi_slopes in one call
-  bool softcap_alibi_bwd;  // the backward does
+  // Head dims whose forward / backward takes softcap and alibi_slopes in one call.
+  const int* softcap_alibi_fwd;
+  size_t num_softcap_alibi_fwd;
+  const int* softcap_alibi_bwd;
+  size_t num_softcap_alibi_bwd;
 };
 
 // A build knob as it was set for this build ("CUTLASS_FLASH_HEAD_DIMS", "64,128").

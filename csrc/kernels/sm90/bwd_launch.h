@@ -112,6 +112,14 @@ constexpr bool bwd_extended_gmma() {
   return BwdTraitsOf<kHeadDim, Element>::kExtendedGmma;
 }
 
+// Whether the features instantiation's steps hold tanh's derivative and ALiBi's slope (64-query
+// steps), so that it takes softcap with ALiBi: the generated translation unit checks it against
+// the generator's table (Family.softcap_alibi_bwd_head_dims).
+template <int kHeadDim, typename Element>
+constexpr bool bwd_holds_feature_values() {
+  return BwdTraitsOf<kHeadDim, Element>::kHoldsFeatureValues;
+}
+
 template <int kHeadDim, typename Element>
 Status run_bwd(const BwdParams& params, cudaStream_t stream) {
   using Traits = BwdTraitsOf<kHeadDim, Element>;
