@@ -42,8 +42,10 @@ RATIO_REFS = ("sdpa-flash", "sdpa-cudnn", "fa3")
 REF_LABEL = {**SDPA_LABEL, "fa3": "FA3"}
 # Every --impls value; ours-det is ours with deterministic=True, ours-softcap with softcap=SOFTCAP,
 # ours-alibi with ALiBi slopes, ours-dropout with dropout_p=DROPOUT; fa3-det is FlashAttention-3 with
-# deterministic=True (the reference for the cost of ours-det).
-IMPLS = ("ours", "ours-det", "ours-softcap", "ours-alibi", "ours-dropout", *SDPA_IMPLS, "fa3", "fa3-det")
+# deterministic=True (the reference for the cost of ours-det), fa3-softcap FA3 with softcap=SOFTCAP
+# (the reference for the cost of ours-softcap).
+IMPLS = ("ours", "ours-det", "ours-softcap", "ours-alibi", "ours-dropout", *SDPA_IMPLS, "fa3", "fa3-det",
+         "fa3-softcap")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -131,7 +133,8 @@ def parse_args(argv=None):
                         "not import); ours-det: ours with deterministic=True; ours-softcap: "
                         f"ours with softcap={SOFTCAP:g}; ours-alibi: ours with ALiBi slopes; "
                         f"ours-dropout: ours with dropout_p={DROPOUT:g}; fa3-det: FA3 with "
-                        "deterministic=True")
+                        f"deterministic=True; fa3-softcap: FA3 with softcap={SOFTCAP:g} (n/a "
+                        "where FA3 was built without softcap)")
     p.add_argument("--total-tokens", type=int, default=16384, help="batch * seqlen (16384)")
     p.add_argument("--hidden", type=int, default=2048, help="nheads * head_dim (2048)")
     p.add_argument("--rounds", type=int, default=5,
@@ -373,15 +376,24 @@ def _fa3_interface():
     return flash_attn_interface
 
 
-def _fa3_built():
-    """(dtypes, head dims) FA3's build has kernels for, from the flash_attn_config.CONFIG its
-    setup.py writes beside flash_attn_interface (everything FA3 has where that is missing)."""
+def _fa3_build_flags():
+    """The FLASHATTENTION_DISABLE_* flags of FA3's build, from the flash_attn_config.CONFIG its
+    setup.py writes beside flash_attn_interface (none where that is missing: everything built)."""
     try:
         from flash_attn_config import CONFIG
 
-        flags = CONFIG["build_flags"]
+        return CONFIG["build_flags"]
     except Exception:
-        flags = {}
+        return {}
+
+
+def _fa3_has_softcap():
+    return not _fa3_build_flags().get("FLASHATTENTION_DISABLE_SOFTCAP")
+
+
+def _fa3_built():
+    """(dtypes, head dims) FA3's build has kernels for."""
+    flags = _fa3_build_flags()
     dtypes = ("bf16",) + (() if flags.get("FLASHATTENTION_DISABLE_FP16") else ("fp16",))
     head_dims = tuple(d for d in (64, 96, 128, 192, 256)
                       if not flags.get(f"FLASHATTENTION_DISABLE_HDIM{d}"))
@@ -417,10 +429,11 @@ def fa3_info():
 FA3_DETERMINISTIC_MAX_HEAD_DIM = 192
 
 
-def _fa3(causal, deterministic=False):
+def _fa3(causal, deterministic=False, softcap=0.0):
     fa3 = _fa3_interface()
     dtypes, head_dims = _fa3_built()
     built = {DTYPES[d] for d in dtypes}
+    kwargs = {**({"deterministic": True} if deterministic else {}), **({"softcap": softcap} if softcap else {})}
 
     def fwd(q, k, v):
         # Only what the build has: FA3 would round another head dim up to a built one (padded).
@@ -431,7 +444,9 @@ def _fa3(causal, deterministic=False):
         # and in one H100 run (2026-11-25) its refusal took the benchmark process down with it.
         if deterministic and q.shape[-1] > FA3_DETERMINISTIC_MAX_HEAD_DIM:
             raise ValueError(f"FA3 has no deterministic backward at head_dim {q.shape[-1]}")
-        out = fa3.flash_attn_func(q, k, v, causal=causal, **({"deterministic": True} if deterministic else {}))
+        if softcap and not _fa3_has_softcap():
+            raise ValueError("FA3 build has no softcap (FLASH_ATTENTION_DISABLE_SOFTCAP)")
+        out = fa3.flash_attn_func(q, k, v, causal=causal, **kwargs)
         # Older FA3 returns (out, softmax_lse); newer returns out unless return_attn_probs.
         return out[0] if isinstance(out, (tuple, list)) else out
     return fwd
@@ -457,9 +472,10 @@ def implementations(args):
             out.append((impl, lambda causal: _ours(causal, alibi=True), contextlib.nullcontext))
         elif impl == "ours-dropout":  # dropout_p=DROPOUT, kernel family automatic
             out.append((impl, lambda causal: _ours(causal, dropout_p=DROPOUT), contextlib.nullcontext))
-        elif impl in ("fa3", "fa3-det"):
+        elif impl in ("fa3", "fa3-det", "fa3-softcap"):
             if _fa3_interface() is not None:
-                out.append((impl, lambda causal, det=impl == "fa3-det": _fa3(causal, det), contextlib.nullcontext))
+                out.append((impl, lambda causal, det=impl == "fa3-det", cap=SOFTCAP if impl == "fa3-softcap" else 0.0:
+                            _fa3(causal, det, cap), contextlib.nullcontext))
         else:
             out.append((impl, lambda causal, n=impl: _sdpa(n, causal), contextlib.nullcontext))
     return out
@@ -744,7 +760,7 @@ def main(argv=None):
     if err and "ours" in args.impls:
         print(f"warning: {err}\nour columns will read n/a", file=sys.stderr)
     env = environment()
-    if ("fa3" in args.impls or "fa3-det" in args.impls) and not args.overhead_only:
+    if any(i.startswith("fa3") for i in args.impls) and not args.overhead_only:
         env["FA3"] = fa3_info()
     for key, val in env.items():
         print(f"{key:22s} {val}")

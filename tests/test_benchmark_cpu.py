@@ -157,6 +157,31 @@ def test_fa3_det_column_passes_deterministic(monkeypatch, fresh_fa3):
     assert calls == [(False, False), (False, True), (False, False)]
 
 
+def test_fa3_softcap_column_passes_softcap(monkeypatch, fresh_fa3):
+    calls = []
+
+    def flash_attn_func(q, k, v, softmax_scale=None, causal=False, softcap=0.0):
+        calls.append((causal, softcap))
+        return q * 3
+
+    monkeypatch.setitem(sys.modules, "flash_attn_interface",
+                        types.SimpleNamespace(flash_attn_func=flash_attn_func, __file__="/x/y.py"))
+    flags = {}
+    monkeypatch.setitem(sys.modules, "flash_attn_config", types.SimpleNamespace(CONFIG={"build_flags": flags}))
+    args = benchmark.parse_args(["--impls", "fa3,fa3-softcap", "--modes", "fwd", "--head-dims", "64"])
+    impls = dict((label, f) for label, f, _ in benchmark.implementations(args))
+    assert list(impls) == ["fa3", "fa3-softcap"]
+    q = torch.ones(1, 4, 2, 64, dtype=torch.bfloat16)
+    for label in ("fa3", "fa3-softcap"):
+        assert torch.equal(impls[label](True)(q, q, q), q * 3)
+    assert calls == [(True, 0.0), (True, benchmark.SOFTCAP)]
+    # A build without softcap (device_fa3.sh's default): n/a with the reason, FA3 never called.
+    flags["FLASHATTENTION_DISABLE_SOFTCAP"] = True
+    with pytest.raises(ValueError, match="no softcap"):
+        impls["fa3-softcap"](False)(q, q, q)
+    assert len(calls) == 2
+
+
 def _bench_script(name):
     import importlib.util
     import os

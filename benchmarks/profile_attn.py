@@ -1,0 +1,52 @@
+"""Forward or backward calls of ours (and of FlashAttention-3 where `flash_attn_interface` imports)
+on the benchmark grid's shape, for Nsight Compute:
+
+    ncu --kernel-name regex:"bwd_kernel|flash_bwd|FlashAttnBwd" --launch-skip 1 --launch-count 2 \\
+        --section SpeedOfLight --section WarpStateStats python benchmarks/profile_attn.py bwd 256 8192 0
+    ncu --kernel-name regex:"fwd_kernel|FlashAttnFwd" --launch-skip 1 --launch-count 2 \\
+        --section SpeedOfLight python benchmarks/profile_attn.py fwd 128 8192 1
+
+Arguments: fwd or bwd, head dim, seqlen (batch * seqlen = 16k tokens, nheads * head_dim = 2048),
+causal (0/1). Each implementation runs its forward (or backward) twice (the first call builds
+caches), ours first, so `--launch-skip 1 --launch-count 2` with a regex matching both
+implementations' main kernels profiles ours, then FA3's first call.
+"""
+import sys
+
+import torch
+
+import cutlass_flash
+
+
+def main():
+    mode = sys.argv[1]
+    if mode not in ("fwd", "bwd"):
+        raise SystemExit(f"mode must be fwd or bwd, got {mode!r}")
+    head_dim, seqlen, causal = int(sys.argv[2]), int(sys.argv[3]), bool(int(sys.argv[4]))
+    batch, nheads = max(1, 16384 // seqlen), 2048 // head_dim
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(batch, seqlen, nheads, head_dim, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=mode == "bwd") for _ in range(3))
+    dout = torch.randn(batch, seqlen, nheads, head_dim, device="cuda", dtype=torch.bfloat16)
+    impls = [("ours", lambda: cutlass_flash.flash_attn_func(q, k, v, causal=causal))]
+    try:
+        import flash_attn_interface
+
+        impls.append(("fa3", lambda: flash_attn_interface.flash_attn_func(q, k, v, causal=causal)))
+    except ImportError as e:
+        print(f"no FA3: {e}")
+    for name, fn in impls:
+        if mode == "fwd":
+            for _ in range(2):
+                fn()
+        else:
+            out = fn()
+            out = out[0] if isinstance(out, tuple) else out
+            for _ in range(2):
+                torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        torch.cuda.synchronize()
+        print(f"{name}: done", flush=True)
+
+
+if __name__ == "__main__":
+    main()
