@@ -132,6 +132,18 @@ def test_fa3_column_and_ratio_with_a_stand_in(monkeypatch, fresh_fa3):
     assert "| 128 | 2048 | 8 x 16 | no | 600.0 | 300.0 | 500.0 | 2.00x | 1.20x |" in md
 
 
+def _stand_in_fa3_columns(monkeypatch, flash_attn_func, build_flags, column, mode):
+    """The fa3 column and `column` of a benchmark run against a stand-in FA3 (`flash_attn_func`,
+    built with `build_flags`), by label."""
+    monkeypatch.setitem(sys.modules, "flash_attn_interface",
+                        types.SimpleNamespace(flash_attn_func=flash_attn_func, __file__="/x/y.py"))
+    monkeypatch.setitem(sys.modules, "flash_attn_config", types.SimpleNamespace(CONFIG={"build_flags": build_flags}))
+    args = benchmark.parse_args(["--impls", f"fa3,{column}", "--modes", mode, "--head-dims", "64"])
+    impls = dict((label, f) for label, f, _ in benchmark.implementations(args))
+    assert list(impls) == ["fa3", column]
+    return impls
+
+
 def test_fa3_det_column_passes_deterministic(monkeypatch, fresh_fa3):
     calls = []
 
@@ -139,12 +151,7 @@ def test_fa3_det_column_passes_deterministic(monkeypatch, fresh_fa3):
         calls.append((causal, deterministic))
         return q * 2
 
-    monkeypatch.setitem(sys.modules, "flash_attn_interface",
-                        types.SimpleNamespace(flash_attn_func=flash_attn_func, __file__="/x/y.py"))
-    monkeypatch.setitem(sys.modules, "flash_attn_config", types.SimpleNamespace(CONFIG={"build_flags": {}}))
-    args = benchmark.parse_args(["--impls", "fa3,fa3-det", "--modes", "bwd", "--head-dims", "64"])
-    impls = dict((label, f) for label, f, _ in benchmark.implementations(args))
-    assert list(impls) == ["fa3", "fa3-det"]
+    impls = _stand_in_fa3_columns(monkeypatch, flash_attn_func, {}, "fa3-det", "bwd")
     q = torch.ones(1, 4, 2, 64, dtype=torch.bfloat16)
     for label in ("fa3", "fa3-det"):
         assert torch.equal(impls[label](False)(q, q, q), q * 2)
@@ -164,13 +171,8 @@ def test_fa3_softcap_column_passes_softcap(monkeypatch, fresh_fa3):
         calls.append((causal, softcap))
         return q * 3
 
-    monkeypatch.setitem(sys.modules, "flash_attn_interface",
-                        types.SimpleNamespace(flash_attn_func=flash_attn_func, __file__="/x/y.py"))
     flags = {}
-    monkeypatch.setitem(sys.modules, "flash_attn_config", types.SimpleNamespace(CONFIG={"build_flags": flags}))
-    args = benchmark.parse_args(["--impls", "fa3,fa3-softcap", "--modes", "fwd", "--head-dims", "64"])
-    impls = dict((label, f) for label, f, _ in benchmark.implementations(args))
-    assert list(impls) == ["fa3", "fa3-softcap"]
+    impls = _stand_in_fa3_columns(monkeypatch, flash_attn_func, flags, "fa3-softcap", "fwd")
     q = torch.ones(1, 4, 2, 64, dtype=torch.bfloat16)
     for label in ("fa3", "fa3-softcap"):
         assert torch.equal(impls[label](True)(q, q, q), q * 3)
