@@ -10,7 +10,8 @@
 # ARCHS (90), TESTS (pytest arguments, default: every GPU test of the restricted build), BENCH
 # (extra benchmark arguments, default: backward, 2k and 8k tokens, causal and not, against
 # cuDNN), PHASES (default "build run": a call of 600 s holds about 3 builds, or 3 variants' tests
-# and timings, so "build" and "run" can go in two calls on the same warm machine). Needs the nvidia-cutlass wheel under .carry/ (see benchmarks/device_build.sh).
+# and timings, so "build" and "run" can go in two calls on the same warm machine). Returns one
+# CSV per variant (bench_NAME.csv, both rounds, a `round` column) and the logs of failed builds. Needs the nvidia-cutlass wheel under .carry/ (see benchmarks/device_build.sh).
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/cutlass_flash_out}
@@ -32,9 +33,11 @@ for v in $VARIANTS; do
   if [ "$v" != base ]; then
     for part in ${v//+/ }; do (cd "/tmp/v$v" && patch -s -p1 < "$root/benchmarks/variants/$part.patch") || exit 1; done
   fi
+  # The build log comes back only when the build fails (the device tool returns 8 files a call).
   (cd "/tmp/v$v" && CUTLASS_FLASH_ARCHS=$ARCHS CUTLASS_FLASH_HEAD_DIMS=$DIMS CUTLASS_FLASH_DTYPES=$DTYPES \
-     CUTLASS_FLASH_JOBS=8 python3 setup.py build_ext --inplace >"$OUT/build_${v//+/_}.log" 2>&1
-   echo "build $v: rc=$?"; grep -E "nvcc .*spill" "$OUT/build_${v//+/_}.log" | grep -v " 0 B spill") &
+     CUTLASS_FLASH_JOBS=8 python3 setup.py build_ext --inplace >"/tmp/build_${v//+/_}.log" 2>&1
+   rc=$?; echo "build $v: rc=$rc"; grep -E "nvcc .*spill" "/tmp/build_${v//+/_}.log" | grep -v " 0 B spill"
+   if [ $rc != 0 ]; then cp "/tmp/build_${v//+/_}.log" "$OUT/"; fi) &
 done
 wait
 fi
@@ -43,10 +46,16 @@ for v in $VARIANTS; do
   echo "== tests $v"
   (cd "/tmp/v$v" && eval "timeout 300 python3 -m pytest -q -n 6 -rf tests $TESTS" 2>&1 | grep -E "^FAILED|passed|failed" | cut -c1-200)
 done
+# One CSV per variant, both rounds in it (a `round` column first): 8 variants fit the device
+# tool's 8 returned files, where a CSV and a markdown per round had 4 rounds of 2 variants.
 for r in 1 2; do
   for v in $VARIANTS; do
     echo "== benchmark $v, round $r"
     (cd "/tmp/v$v" && timeout 200 python3 -m cutlass_flash.benchmark --head-dims "$DIMS" --dtype "$DTYPES" $BENCH \
-       --no-plot --out "$OUT/bench_${v//+/_}_$r" 2>&1 | grep "^| [0-9]")
+       --no-plot --out "/tmp/bench_${v//+/_}_$r" 2>&1 | grep "^| [0-9]")
+    for csv in /tmp/bench_${v//+/_}_$r/*.csv; do
+      awk -v r=$r -v first=$([ $r = 1 ] && echo 1 || echo 0) \
+        'NR == 1 { if (first) print "round," $0; next } { print r "," $0 }' "$csv" >>"$OUT/bench_${v//+/_}.csv"
+    done
   done
 done
