@@ -51,9 +51,11 @@ done
 for r in 1 2; do
   for v in $VARIANTS; do
     echo "== benchmark $v, round $r"
+    rm -rf "/tmp/bench_${v//+/_}_$r"
     (cd "/tmp/v$v" && timeout 200 python3 -m cutlass_flash.benchmark --head-dims "$DIMS" --dtype "$DTYPES" $BENCH \
        --no-plot --out "/tmp/bench_${v//+/_}_$r" 2>&1 | grep "^| [0-9]")
     for csv in /tmp/bench_${v//+/_}_$r/*.csv; do
+      [ -f "$csv" ] || continue  # a run that wrote nothing (timed out)
       awk -v r=$r -v first=$([ $r = 1 ] && echo 1 || echo 0) \
         'NR == 1 { if (first) print "round," $0; next } { print r "," $0 }' "$csv" >>"$OUT/bench_${v//+/_}.csv"
     done
