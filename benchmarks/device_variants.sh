@@ -56,7 +56,7 @@ for r in 1 2; do
        --no-plot --out "/tmp/bench_${v//+/_}_$r" 2>&1 | grep "^| [0-9]")
     for csv in /tmp/bench_${v//+/_}_$r/*.csv; do
       [ -f "$csv" ] || continue  # a run that wrote nothing (timed out)
-      awk -v r=$r -v first=$([ $r = 1 ] && echo 1 || echo 0) \
+      awk -v r=$r -v first=$([ -f "$OUT/bench_${v//+/_}.csv" ] && echo 0 || echo 1) \
         'NR == 1 { if (first) print "round," $0; next } { print r "," $0 }' "$csv" >>"$OUT/bench_${v//+/_}.csv"
     done
   done
