@@ -161,6 +161,9 @@ int main() {
 #elif TUNE_HEAD_DIM == 96
       run_config<128, 128, 2>(b, params, elems, true);
       run_config<128, 160, 2>(b, params, elems, false);
+      run_config<192, 96, 2>(b, params, elems, false);
+      run_config<192, 112, 2>(b, params, elems, false);
+      run_config<192, 128, 2>(b, params, elems, false);
 #elif TUNE_HEAD_DIM == 128
       run_config<128, 128, 2>(b, params, elems, true);
       run_config<128, 144, 2>(b, params, elems, false);

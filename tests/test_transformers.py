@@ -192,12 +192,14 @@ def test_attention_dropout_fake(fake_backend):
 @pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
 @pytest.mark.parametrize("left_pad", [False, True], ids=["right_pad", "left_pad"])
 def test_padded_batch(kind, left_pad):
+    skip_unless_auto_built(HEAD_DIM, "bf16")
     _check_padded(kind, "cuda", left_pad)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
 def test_packed_batch(kind):
+    skip_unless_auto_built(HEAD_DIM, "bf16")
     _check_packed(kind, "cuda")
 
 

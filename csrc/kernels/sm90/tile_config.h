@@ -19,8 +19,11 @@ constexpr FwdTile fwd_tile(int head_dim) {
   // d = 64: three consumer warpgroups (160 registers each): more rows in flight per K/V byte.
   // 386 / 442 / 464; 128x176 386 / 417 / 454; 192x160 spills 296 B (S 80 + O 32 + P 40 floats).
   if (head_dim <= 64) return {192, 128, 2};
-  // d = 96: 530 / 576 / 546; 128x160 485 / 556 / 567 (and slower causal).
-  if (head_dim <= 96) return {128, 128, 2};
+  // d = 96: three consumer warpgroups, as FlashAttention-3 (192 x 144 there, with P through shared
+  // memory). tune_sm90, bf16, 1k / 2k / 8k, two runs, non-causal: 192x96 482 / 542 / 604, 128x128
+  // 498 / 524 / 545, 128x160 464 / 517 / 550; causal 192x96 330 / 432 / 503, 128x128 342 / 414 /
+  // 476 (PERFLOG 83). 192x112 and 192x128 spill (280 / 184 B at 160 registers).
+  if (head_dim <= 96) return {192, 96, 2};
   // d = 128: 622 / 672 / 624; FlashAttention-3's 128x176 571 / 588 / 641, 128x160 578 / 627 / 640.
   if (head_dim <= 128) return {128, 128, 2};
   // d = 192, O in Q's place: Q/O 48 + 2 x (K 36 + V 36) = 192 KiB. 654 / 729 / 755; 128x112
