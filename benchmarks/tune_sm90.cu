@@ -7,7 +7,8 @@
 //        -gencode arch=compute_90a,code=sm_90a -Icsrc -Icsrc/include -I<cutlass>/include \
 //        benchmarks/tune_sm90.cu -o tune128 && ./tune128
 //
-// -DTUNE_FP16 times fp16 instead. Environment: TUNE_SEQLENS (comma list, default 1024,2048,4096,8192),
+// -DTUNE_FP16 times fp16 instead; -DTUNE_FEATURES=NoDropout the kernel without dropout's path (the
+// plain kernel of a head dim with a dropout kernel of its own, FwdTraits::kDropoutKernel). Environment: TUNE_SEQLENS (comma list, default 1024,2048,4096,8192),
 // TUNE_CAUSAL (0 or 1; both when unset), TUNE_ITERS (timed launches, default 20), TUNE_GROUPS
 // (comma list of causal tile-group sizes to time with the first configuration; 0 = computed).
 //
@@ -25,6 +26,10 @@
 #include "kernels/sm90/fwd_launch.h"
 
 using namespace cutlass_flash;
+
+#ifndef TUNE_FEATURES
+#define TUNE_FEATURES AllScoreFeatures
+#endif
 
 #ifdef TUNE_FP16
 using Element = cutlass::half_t;
@@ -79,7 +84,7 @@ void run_config(const Buffers& b, FwdParams params, size_t o_elems, bool first, 
   using Traits = sm90::FwdTraits<TUNE_HEAD_DIM, kBlockM, kBlockN, kStages, Element>;
   const AttnProblem& p = params.problem;
   cudaMemset(b.o, 0xff, o_elems * sizeof(Element));  // NaN: unwritten elements show
-  Status s = sm90::run_fwd_traits<Traits>(params, nullptr, group);
+  Status s = sm90::run_fwd_traits<Traits, TUNE_FEATURES>(params, nullptr, group);
   if (!s.ok()) { std::printf("  %dx%dx%d: %s\n", kBlockM, kBlockN, kStages, s.message.c_str()); return; }
   if (first) cudaMemcpy(b.ref, b.o, o_elems * sizeof(Element), cudaMemcpyDeviceToDevice);
   cudaMemset(b.diff, 0, sizeof(unsigned));
@@ -88,13 +93,13 @@ void run_config(const Buffers& b, FwdParams params, size_t o_elems, bool first, 
   cudaMemcpy(&diff_bits, b.diff, sizeof(unsigned), cudaMemcpyDeviceToHost);
   float diff;
   std::memcpy(&diff, &diff_bits, sizeof(float));
-  for (int i = 0; i < 3; ++i) sm90::run_fwd_traits<Traits>(params, nullptr, group);
+  for (int i = 0; i < 3; ++i) sm90::run_fwd_traits<Traits, TUNE_FEATURES>(params, nullptr, group);
   cudaEvent_t e0, e1;
   cudaEventCreate(&e0);
   cudaEventCreate(&e1);
   const int kIters = env_int("TUNE_ITERS", 20);
   cudaEventRecord(e0);
-  for (int i = 0; i < kIters; ++i) sm90::run_fwd_traits<Traits>(params, nullptr, group);
+  for (int i = 0; i < kIters; ++i) sm90::run_fwd_traits<Traits, TUNE_FEATURES>(params, nullptr, group);
   cudaEventRecord(e1);
   cudaEventSynchronize(e1);
   float ms = 0.f;
@@ -170,6 +175,8 @@ int main() {
       run_config<128, 160, 2>(b, params, elems, false);
       run_config<128, 176, 2>(b, params, elems, false);
       run_config<128, 192, 2>(b, params, elems, false);
+      run_config<192, 80, 2>(b, params, elems, false);
+      run_config<192, 96, 2>(b, params, elems, false);
 #elif TUNE_HEAD_DIM == 192
       run_config<128, 96, 2>(b, params, elems, true);
       run_config<128, 112, 2>(b, params, elems, false);
