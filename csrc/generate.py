@@ -125,8 +125,8 @@ FAMILIES: Tuple[Family, ...] = (
            varlen=("fwd", "bwd")),
     # Hopper (FlashAttention-3-style: TMA, wgmma, warp specialization). wgmma and setmaxnreg
     # exist only in the arch-specific sm_90a target.
-    # Backward at every head dim: keys per warpgroup at d <= 128, split d at 192 and 256
-    # (sm90/tile_config.h).
+    # Backward at every head dim: keys per warpgroup at d <= 128, split d at 192 (queries as
+    # rows, 96-key blocks) and 256 (keys as rows) (sm90/tile_config.h).
     Family(arch=90, directions=("fwd", "bwd"), head_dims=HEAD_DIMS,
            sass_default=("90a",), sass_allowed=("90a",),
            # The forward's 80-key blocks at d = 256 and the backward's 48 dQ columns a warpgroup at

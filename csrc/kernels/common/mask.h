@@ -80,19 +80,38 @@ struct WindowMask {
   // within the tile (an identity tensor partitioned like the accumulator), so this works for any
   // MMA layout, mma.sync or wgmma. The window bounds become per-row offsets chosen once, so each
   // entry costs two compares and a select, no branch. kTransposed: the tile is S^T, coords are
-  // (key, query) and the offsets (query, key), as the sm90 backward computes it.
+  // (key, query) and the offsets (query, key), as the sm90 backward's keys-as-rows layouts compute
+  // it.
+  //
+  // Each entry's (row, col) differs from the first entry's by compile-time constants, and the
+  // untransposed form compares those against three thresholds relative to the first entry
+  // (immediates against 3 registers): as absolute columns, the compiler held one register per
+  // distinct column offset of the thread (7 in the sm90 backward at d = 192, queries as rows, where
+  // they spilled 44 B). The transposed form keeps the absolute compares: relative, ptxas spilled
+  // 20 B of loop-invariant coordinates in the d = 128 backward's features kernel.
   template <bool kTransposed = false, typename TensorS, typename TensorC>
   __device__ void apply(TensorS& scores, const TensorC& coords, int row_offset, int col_offset) const {
     constexpr int kFar = 1 << 30;  // beyond any column index, with room for row + offset
     const int right = (has_right() ? diag() + window_right + 1 : kFar) + row_offset - col_offset;
     const int left = (has_left() ? diag() - window_left : -kFar) + row_offset - col_offset;
     const int end = seqlen_k - col_offset;
-    CUTE_UNROLL
-    for (int i = 0; i < cute::size(scores); ++i) {
-      const int row = cute::get<kTransposed ? 1 : 0>(coords(i));
-      const int col = cute::get<kTransposed ? 0 : 1>(coords(i));
-      const bool masked = col >= end || col >= row + right || col < row + left;
-      scores(i) = masked ? -INFINITY : scores(i);
+    if constexpr (kTransposed) {
+      CUTE_UNROLL
+      for (int i = 0; i < cute::size(scores); ++i) {
+        const int row = cute::get<1>(coords(i)), col = cute::get<0>(coords(i));
+        const bool masked = col >= end || col >= row + right || col < row + left;
+        scores(i) = masked ? -INFINITY : scores(i);
+      }
+    } else {
+      // Entry (row0 + dr, col0 + dc) is masked when dc >= end0, dc - dr >= right0 or dc - dr < left0.
+      const int row0 = cute::get<0>(coords(0)), col0 = cute::get<1>(coords(0));
+      const int right0 = right + row0 - col0, left0 = left + row0 - col0, end0 = end - col0;
+      CUTE_UNROLL
+      for (int i = 0; i < cute::size(scores); ++i) {
+        const int dr = cute::get<0>(coords(i)) - row0, dc = cute::get<1>(coords(i)) - col0;
+        const bool masked = dc >= end0 || dc - dr >= right0 || dc - dr < left0;
+        scores(i) = masked ? -INFINITY : scores(i);
+      }
     }
   }
 };

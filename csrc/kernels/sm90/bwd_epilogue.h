@@ -28,8 +28,8 @@ struct BwdEpilogue {
   // [n_block * kBlockN, ...) of `out` (sequence seq, head_kv), rows past its seqlen_k left alone.
   // Once per block, after the whole query loop: staged in V's shared tile, then written in 16-byte
   // row stores. Keys-per-warpgroup layout: each warpgroup alone reads its 64 rows of V, so it
-  // stages and writes those rows on its own; split-d layout: both read all of V, so all consumers
-  // stage (each its column half) and write together. Stored straight from the accumulators
+  // stages and writes those rows on its own; split-d layouts: the warpgroups read all of V, so all
+  // consumers stage (each its columns) and write together. Stored straight from the accumulators
   // (4 bytes, 8 rows per warp instruction), d = 128 backward ran 7-10% slower at 1k-2k tokens
   // (PERFLOG 46).
   template <typename Acc>
@@ -48,7 +48,17 @@ struct BwdEpilogue {
     Tensor sV = make_tensor(make_smem_ptr(smem_v), typename Traits::SmemLayoutKV{});
     // Every thread of the group is past its last read of V (and of the previous call's staging).
     cutlass::arch::NamedBarrier::sync(kThreads, barrier);
-    store_pairs(r, mma_dkv.get_thread_slice(tid).partition_C(sV));
+    if constexpr (Traits::kdKVTransposed) {
+      // (d, key) accumulators: stmatrix's transposing form writes 8 consecutive d of a key (16
+      // bytes) per row of its 8 x 8 matrices. Element-wise 2-byte stores through the transposed
+      // view spilled 224 B (their swizzled addresses, computed ahead) at d = 192.
+      Tensor sVt = make_tensor(make_smem_ptr(smem_v), typename Traits::SmemLayoutKt{});
+      auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U16x8_STSM_T, Element>{}, mma_dkv);
+      auto thr_r2s = r2s.get_thread_slice(tid);
+      copy(r2s, thr_r2s.retile_S(r), thr_r2s.partition_D(sVt));
+    } else {
+      store_pairs(r, mma_dkv.get_thread_slice(tid).partition_C(sV));
+    }
     cutlass::arch::NamedBarrier::sync(kThreads, barrier);
     Element* base = seq.k_rows<Element>(p, out, head_kv) + int64_t(n_block) * kBlockN * out.row_stride;
     store_rows_16b<kRows, kHeadDim, kThreads>(sV, kRows * group, base, out.row_stride, seq.seqlen_k - n_block * kBlockN,

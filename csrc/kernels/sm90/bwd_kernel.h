@@ -1,9 +1,9 @@
 // sm90 backward kernel, composed as bwd_kernel<Mainloop, Epilogue, Scheduler>: one block per (key
 // block, kv head, batch), warp-specialized. Warpgroup 0 loads (one thread: K, V, then Q and LSE
 // per step; another: dO and D), and its warp 2 is the dQ warp: in the keys-per-warpgroup layout
-// it adds dQ to the workspace, in the split-d layout it passes the deterministic turns.
+// it adds dQ to the workspace, in the split-d layouts it passes the deterministic turns.
 // Warpgroups 1.. run the wgmma mainloop (bwd_mainloop.h: each owns 64 of the block's keys;
-// bwd_mainloop_split_d.h: each owns half the head dim) over every query head of the
+// bwd_mainloop_split_d.h: each owns a share of the head dim) over every query head of the
 // kv head's group, so GQA/MQA dK and dV are summed in registers in a fixed order and written once.
 #pragma once
 
@@ -110,8 +110,8 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
     const BwdSteps steps = make_steps(mask);
     const int tid = int(threadIdx.x) - 128;
     typename Traits::TiledMmadKV mma_dkv;
-    Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<Traits::kHeadDim>>{});
-    Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<Traits::kHeadDim>>{});
+    Tensor acc_dk = partition_fragment_C(mma_dkv, typename Traits::dKVShape{});
+    Tensor acc_dv = partition_fragment_C(mma_dkv, typename Traits::dKVShape{});
     clear(acc_dk);
     clear(acc_dv);
     if (steps.count() > 0) Mainloop::mma(params, shared, pipeline_q, pipeline_do, steps, mask, n_block, tid, acc_dk, acc_dv);

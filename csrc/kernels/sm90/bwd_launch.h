@@ -103,7 +103,11 @@ using BwdTraitsOf = std::conditional_t<
     bwd_tile(kHeadDim).layout == BwdLayout::kKeysPerWarpgroup,
     BwdTraits<kHeadDim, bwd_tile(kHeadDim).block_m, bwd_tile(kHeadDim).mma_warpgroups, bwd_tile(kHeadDim).stages,
               Element>,
-    BwdTraitsSplitD<kHeadDim, bwd_tile(kHeadDim).block_m, bwd_tile(kHeadDim).stages, Element>>;
+    std::conditional_t<bwd_tile(kHeadDim).layout == BwdLayout::kSplitD,
+                       BwdTraitsSplitD<kHeadDim, bwd_tile(kHeadDim).block_m, bwd_tile(kHeadDim).stages, Element>,
+                       BwdTraitsSplitDQueryRows<kHeadDim, bwd_tile(kHeadDim).block_m, bwd_tile(kHeadDim).block_n,
+                                                bwd_tile(kHeadDim).mma_warpgroups, bwd_tile(kHeadDim).stages,
+                                                Element>>>;
 
 // Whether they need CuTe's extended wgmma shapes: the generated translation unit checks it
 // against the generator's table.
@@ -123,6 +127,7 @@ constexpr bool bwd_holds_feature_values() {
 template <int kHeadDim, typename Element>
 Status run_bwd(const BwdParams& params, cudaStream_t stream) {
   using Traits = BwdTraitsOf<kHeadDim, Element>;
+  static_assert(Traits::kBlockN == bwd_tile(kHeadDim).block_n && Traits::kNMmaWarpGroups == bwd_tile(kHeadDim).mma_warpgroups);
   if constexpr (bwd_tile(kHeadDim).layout == BwdLayout::kKeysPerWarpgroup)
     return run_bwd_features<BwdMainloop, Traits>(params, stream);
   else

@@ -90,6 +90,21 @@ struct QueryStats {
   __device__ float operator()(int qi) const { return qi % 2 ? v[qi / 2].y : v[qi / 2].x; }
 };
 
+// The same for score tiles with queries as rows (BwdTraitsSplitDQueryRows): a thread's rows of
+// the wgmma C layout, read one float each (two per 64-query atom). `qk`: the tile's (query, key)
+// coordinates in the accumulator's row / column view.
+template <int kRows>
+struct RowStats {
+  float v[kRows];
+
+  template <typename Coords>
+  __device__ RowStats(const float* stats, const Coords& qk) {
+    CUTE_UNROLL
+    for (int i = 0; i < kRows; ++i) v[i] = stats[get<0>(qk(i, 0))];
+  }
+  __device__ float operator()(int qi) const { return v[qi]; }
+};
+
 // Features: the score modifiers compiled in (common/score_features.h).
 template <typename Traits_, typename Features_ = AllScoreFeatures>
 struct BwdMainloop {
@@ -190,8 +205,9 @@ struct BwdMainloop {
 
   // ---- consumers ----
 
-  // The wgmma operands both layouts read from shared memory, as descriptors: (K, Q by stage, V,
-  // dO by stage) of S^T = K Q^T and dP^T = V dO^T, and (dS by buffer, K^T) of dQ = dS K.
+  // The wgmma operands every layout reads from shared memory, as descriptors: (K, Q by stage, V,
+  // dO by stage) of S^T = K Q^T and dP^T = V dO^T (or of S = Q K^T and dP = dO V^T, where queries
+  // are the rows), and (dS by buffer, K^T) of dQ = dS K.
   template <typename ThrSdP, typename ThrdQ>
   __device__ static auto score_and_dq_operands(const ThrSdP& thr_sdp, const ThrdQ& thr_dq,
                                                typename Traits::SharedStorage& shared) {
@@ -201,9 +217,33 @@ struct BwdMainloop {
     Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQ{});
     Tensor sdO = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutQ{});
     Tensor sdS = make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutdS{});
-    return cute::make_tuple(thr_sdp.partition_fragment_A(sK), thr_sdp.partition_fragment_B(sQ),
-                            thr_sdp.partition_fragment_A(sV), thr_sdp.partition_fragment_B(sdO),
-                            thr_dq.partition_fragment_A(sdS), thr_dq.partition_fragment_B(sKt));
+    if constexpr (Traits::kScoresTransposed)
+      return cute::make_tuple(thr_sdp.partition_fragment_A(sK), thr_sdp.partition_fragment_B(sQ),
+                              thr_sdp.partition_fragment_A(sV), thr_sdp.partition_fragment_B(sdO),
+                              thr_dq.partition_fragment_A(sdS), thr_dq.partition_fragment_B(sKt));
+    else
+      return cute::make_tuple(thr_sdp.partition_fragment_B(sK), thr_sdp.partition_fragment_A(sQ),
+                              thr_sdp.partition_fragment_B(sV), thr_sdp.partition_fragment_A(sdO),
+                              thr_dq.partition_fragment_A(sdS), thr_dq.partition_fragment_B(sKt));
+  }
+
+  // A step's score tile (S^T or S, Traits::kScoresTransposed) viewed as (query, key).
+  template <typename Tensor>
+  __device__ static auto query_key_view(Tensor&& t) {
+    if constexpr (Traits::kScoresTransposed)
+      return colrow_view(t);
+    else
+      return rowcol_view(t);
+  }
+
+  // A per-query statistic (LSE or D) of the step along query_key_view's rows; stats: the
+  // warpgroup's first query's (kStatQueries of them), coords: the score tile's coordinates.
+  template <int kStatQueries, typename Coords>
+  __device__ static auto query_stats(const float* stats, const Coords& coords) {
+    if constexpr (Traits::kScoresTransposed)
+      return QueryStats<kStatQueries>(stats);
+    else
+      return RowStats<decltype(size<0>(rowcol_view(coords)))::value>(stats, rowcol_view(coords));
   }
 
   // ALiBi's slope of a head where the step holds it (Traits::kHoldsFeatureValues), else unused.
@@ -211,22 +251,30 @@ struct BwdMainloop {
     return Features::kAlibi && Traits::kHoldsFeatureValues && alibi.on() ? alibi.slope() : 0.f;
   }
 
-  // The first half of a consumer step, shared by both layouts: S^T = K Q^T and dP^T = V dO^T
-  // issued together (after their stage's loads), then in their accumulators P^T = exp2(S^T *
-  // scale_log2 - LSE) under the mask, while dP^T is computed, and dS^T = P^T (dP^T - D).
-  // Under dropout, dP^T is the GEMM's times mask times the keep scale, and P^T leaves with the dropped
-  // probabilities zeroed (for the dV GEMM). stats_offset: this warpgroup's first query in the step's LSE and D (kStatQueries of them).
-  template <int kStatQueries, typename TiledMma, typename FragA, typename FragB, typename Acc, typename Coords>
-  __device__ static void scores(TiledMma& mma_sdp, const FragA& tSrK, const FragB& tSrQ, const FragA& tdPrV,
-                                const FragB& tdPrdO, Pipeline& pipeline_q, const PipelineState& st_q,
+  // The first half of a consumer step, shared by every layout: S^T = K Q^T and dP^T = V dO^T
+  // (or S and dP, Traits::kScoresTransposed) issued together (after their stage's loads), then in
+  // their accumulators P^T = exp2(S^T * scale_log2 - LSE) under the mask, while dP^T is computed,
+  // and dS^T = P^T (dP^T - D). Under dropout, dP^T is the GEMM's times mask times the keep scale,
+  // and P^T leaves with the dropped probabilities zeroed (for the dV GEMM). stats_offset: this
+  // warpgroup's first query in the step's LSE and D (kStatQueries of them).
+  template <int kStatQueries, typename TiledMma, typename FragKV, typename FragQ, typename Acc, typename Coords>
+  __device__ static void scores(TiledMma& mma_sdp, const FragKV& tSrK, const FragQ& tSrQ, const FragKV& tdPrV,
+                                const FragQ& tdPrdO, Pipeline& pipeline_q, const PipelineState& st_q,
                                 Pipeline& pipeline_do, const PipelineState& st_do, typename Traits::SharedStorage& shared,
                                 int stats_offset, const WindowMask& mask, const Softcap& softcap, const Alibi& alibi,
                                 float alibi_slope, const Dropout& dropout, const Coords& tScS,
                                 int m, int n_block, float scale_log2, Acc& acc_s, Acc& acc_dp) {
+    constexpr bool kT = Traits::kScoresTransposed;
     pipeline_q.consumer_wait(st_q);
-    gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_sdp, tSrK, tSrQ(_, _, _, st_q.index()), acc_s);
+    if constexpr (kT)
+      gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_sdp, tSrK, tSrQ(_, _, _, st_q.index()), acc_s);
+    else
+      gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_sdp, tSrQ(_, _, _, st_q.index()), tSrK, acc_s);
     pipeline_do.consumer_wait(st_do);
-    gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_sdp, tdPrV, tdPrdO(_, _, _, st_do.index()), acc_dp);
+    if constexpr (kT)
+      gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_sdp, tdPrV, tdPrdO(_, _, _, st_do.index()), acc_dp);
+    else
+      gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_sdp, tdPrdO(_, _, _, st_do.index()), tdPrV, acc_dp);
     warpgroup_wait<1>();  // S^T done, dP^T running
     warpgroup_fence_operand(acc_s);
     const bool softcap_on = Features::kSoftcap && softcap.on();
@@ -240,12 +288,12 @@ struct BwdMainloop {
     }
     if (Features::kAlibi && alibi.on()) {
       const float slope = Traits::kHoldsFeatureValues ? alibi_slope : alibi.slope();
-      Alibi::apply_slope</*kTransposed=*/true>(slope, acc_s, tScS, mask, m * kBlockM, n_block * kBlockN);
+      Alibi::apply_slope<kT>(slope, acc_s, tScS, mask, m * kBlockM, n_block * kBlockN);
     }
     if (mask.block_needs_mask<kBlockM, kBlockN>(m, n_block))
-      mask.apply</*kTransposed=*/true>(acc_s, tScS, m * kBlockM, n_block * kBlockN);
-    Tensor s = colrow_view(acc_s);  // (query, key)
-    const QueryStats<kStatQueries> lse(shared.lse_log2.data() + st_q.index() * kBlockM + stats_offset);
+      mask.apply<kT>(acc_s, tScS, m * kBlockM, n_block * kBlockN);
+    Tensor s = query_key_view(acc_s);
+    const auto lse = query_stats<kStatQueries>(shared.lse_log2.data() + st_q.index() * kBlockM + stats_offset, tScS);
     CUTE_UNROLL
     for (int qi = 0; qi < size<0>(s); ++qi) {
       const float lse_q = lse(qi);
@@ -255,11 +303,11 @@ struct BwdMainloop {
     // Drawn on P in place while dP^T runs: bits drawn before the GEMMs and held through them cost
     // the backward without dropout 2-6% at d = 64 (PERFLOG.md entry 44).
     if (Features::kDropout && dropout.on())
-      dropout.apply</*kTransposed=*/true, 8, 32>(s, colrow_view(tScS), m * kBlockM, n_block * kBlockN, Dropout::Negate{});
+      dropout.apply<kT, 8, 32>(s, query_key_view(tScS), m * kBlockM, n_block * kBlockN, Dropout::Negate{});
     warpgroup_wait<0>();  // dP^T done
     warpgroup_fence_operand(acc_dp);
-    Tensor ds = colrow_view(acc_dp);
-    const QueryStats<kStatQueries> dpsum(shared.dpsum.data() + st_do.index() * kBlockM + stats_offset);
+    Tensor ds = query_key_view(acc_dp);
+    const auto dpsum = query_stats<kStatQueries>(shared.dpsum.data() + st_do.index() * kBlockM + stats_offset, tScS);
     if (Features::kDropout && dropout.on()) {
       // A dropped P (negated) has dP = 0: dS = P (0 - D) = (-P) D.
       const float keep_scale = Dropout::keep_scale(*dropout.p);
@@ -287,7 +335,7 @@ struct BwdMainloop {
       // LSE loaded again from shared memory (still this stage's: Q's stage is released after the
       // dK GEMM) rather than held through the dP^T wait: at d = 64 (128 queries per step) holding
       // it spilled 216 B, in every call, softcap or not.
-      const QueryStats<kStatQueries> lse_again(shared.lse_log2.data() + st_q.index() * kBlockM + stats_offset);
+      const auto lse_again = query_stats<kStatQueries>(shared.lse_log2.data() + st_q.index() * kBlockM + stats_offset, tScS);
       CUTE_UNROLL
       for (int qi = 0; qi < size<0>(ds); ++qi) {
         const float lse_q = lse_again(qi);

@@ -1,11 +1,15 @@
-// sm90 backward mainloop of the split-d layout (BwdTraitsSplitD, d = 192 / 256): the producer's
-// loads are the other layout's (BwdMainloop); the consumers' step differs.
+// sm90 backward mainloop of the split-d layouts (BwdTraitsSplitD, d = 256, and
+// BwdTraitsSplitDQueryRows, d = 192): the producer's loads are the keys-per-warpgroup layout's
+// (BwdMainloop); the consumers' step differs.
 //
-// Per query block, consumer warpgroup w (queries q_w = [32 w, 32 w + 32) of the block, columns
-// d_w = [w d / 2, (w + 1) d / 2) of the head dim):
-//   S^T(:, q_w) = K Q(q_w)^T, dP^T(:, q_w) = V dO(q_w)^T;  P^T, dS^T as in the other layout;
-//   P^T(:, q_w), dS^T(:, q_w) to shared memory; both warpgroups' halves written ->
-//   dQ(:, d_w) = dS K(:, d_w), dV(:, d_w) += P^T dO(:, d_w), dK(:, d_w) += dS^T Q(:, d_w);
+// Per query block, consumer warpgroup w of W (columns d_w = [w d / W, (w + 1) d / W) of the head
+// dim; keys as rows: queries q_w = [32 w, 32 w + 32) of the block, all keys; queries as rows: all
+// queries, keys k_w = [w kBlockN / W, ...)):
+//   S^T(:, q_w) = K Q(q_w)^T, dP^T(:, q_w) = V dO(q_w)^T, or S(:, k_w) = Q K(k_w)^T, dP(:, k_w) =
+//   dO V(k_w)^T;  P, dS as in the other layout;
+//   its share of P and dS to shared memory; every warpgroup's share written ->
+//   dQ(:, d_w) = dS K(:, d_w), dV(:, d_w) += P^T dO(:, d_w), dK(:, d_w) += dS^T Q(:, d_w) (queries
+//   as rows: as dV^T(d_w, :) += dO(:, d_w)^T P, dK^T(d_w, :) += Q(:, d_w)^T dS);
 //   dQ(:, d_w) added to the workspace with 16-byte reductions (red) while dV and dK run.
 // Deterministic mode adds a fourth role, the dQ warp (warp 2 of the producer warpgroup): it waits
 // for each step's turn and passes it on, so that the consumers only meet it at two named barriers.
@@ -33,7 +37,9 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_, Features_> {
   using Pipeline = typename Traits::Pipeline;
   using PipelineState = typename Pipeline::PipelineState;
   static constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
-  static constexpr int kQueriesPerWarpgroup = kBlockM / 2;
+  static constexpr bool kScoresTransposed = Traits::kScoresTransposed;
+  // A warpgroup's queries: half the step's with keys as rows, all of them with queries as rows.
+  static constexpr int kQueriesPerWarpgroup = kScoresTransposed ? kBlockM / 2 : kBlockM;
   // The consumers and the dQ warp, at the deterministic turn's two barriers.
   static constexpr int kTurnThreads = Traits::kNMmaThreads + 32;
 
@@ -110,28 +116,46 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_, Features_> {
     auto wg_dq = mma_dq.get_thread_slice(wg_thread);
 
     auto [tSrK, tSrQ, tdPrV, tdPrdO, tdQrdS, tdQrK] = Base::score_and_dq_operands(wg_sdp, wg_dq, shared);
+    // dV (+)= P^T dO and dK (+)= dS^T Q read P^T, dS^T (key, query) and dO^T, Q^T (d, query)
+    // through the transposed views of their tiles: as A and B (keys as rows), or as B and A (the
+    // transposed products dV^T = dO^T P, dK^T = Q^T dS, queries as rows).
     Tensor sQt = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQt{});
     Tensor sdOt = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutQt{});
     Tensor sdSt = make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutdSt{});
     Tensor sPt = make_tensor(make_smem_ptr(shared.p.data()), typename Traits::SmemLayoutdSt{});
-    Tensor tdVrP = wg_dkv.partition_fragment_A(sPt);    // (MMA, M, K, buffer)
-    Tensor tdKrdS = wg_dkv.partition_fragment_A(sdSt);
-    Tensor tdVrdO = wg_dkv.partition_fragment_B(sdOt);  // (MMA, N, K, stage)
-    Tensor tdKrQ = wg_dkv.partition_fragment_B(sQt);
+    auto operand = [&](auto& s, auto is_a) {
+      if constexpr (decltype(is_a)::value)
+        return wg_dkv.partition_fragment_A(s);
+      else
+        return wg_dkv.partition_fragment_B(s);
+    };
+    constexpr bool kSwap = Traits::kdKVTransposed;
+    Tensor tdVrP = operand(sPt, cute::bool_constant<!kSwap>{});  // (MMA, M or N, K, buffer)
+    Tensor tdKrdS = operand(sdSt, cute::bool_constant<!kSwap>{});
+    Tensor tdVrdO = operand(sdOt, cute::bool_constant<kSwap>{});  // (MMA, N or M, K, stage)
+    Tensor tdKrQ = operand(sQt, cute::bool_constant<kSwap>{});
+    auto dkv_gemm = [&](const auto& scores, const auto& rows, auto& acc) {
+      if constexpr (kSwap)
+        gemm</*kZeroInit=*/false, /*kWait=*/-1>(mma_dkv, rows, scores, acc);
+      else
+        gemm</*kZeroInit=*/false, /*kWait=*/-1>(mma_dkv, scores, rows, acc);
+    };
 
-    // P^T and dS^T from registers to shared memory with stmatrix (the other layout's dS^T copy).
+    // P and dS from registers to shared memory with stmatrix (the other layout's dS^T copy), in
+    // the orientation of the score accumulators.
     auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
     auto thr_r2s = r2s.get_thread_slice(tid);
-    Tensor tPsP = thr_r2s.partition_D(sPt);     // (CPY, M, N, buffer)
-    Tensor tdSsdS = thr_r2s.partition_D(sdSt);
+    Tensor tPsP = thr_r2s.partition_D(make_tensor(make_smem_ptr(shared.p.data()), typename Traits::SmemLayoutdSScores{}));
+    Tensor tdSsdS = thr_r2s.partition_D(make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutdSScores{}));
 
-    // (key, query) of each S^T accumulator, for the mask.
-    Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
-    constexpr int kQueries = decltype(size<0>(colrow_view(tScS)))::value;  // queries per thread
-    static_assert(kQueries == kQueriesPerWarpgroup / 4);
+    // Coordinates of each score accumulator ((key, query) or (query, key)), for the mask.
+    Tensor tScS = thr_sdp.partition_C(make_identity_tensor(typename Traits::ScoreShape{}));
+    constexpr int kQueries = decltype(size<0>(Base::query_key_view(tScS)))::value;  // queries per thread
+    static_assert(kQueries == (kScoresTransposed ? kQueriesPerWarpgroup / 4 : kBlockM / 32));
     const float scale_log2 = Softcap::softmax_scale(params.problem) * float(M_LOG2E);
     const Softcap softcap(params.problem);
-    const int query_offset = (tid / 128) * kQueriesPerWarpgroup;  // this warpgroup's first query
+    // This warpgroup's first query in the step's LSE and D.
+    const int query_offset = kScoresTransposed ? (tid / 128) * kQueriesPerWarpgroup : 0;
 
     PipelineState st_q, st_do;
     shared.kv_full.wait(0);
@@ -145,8 +169,8 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_, Features_> {
 #pragma unroll 1
       for (int m = steps.first(), end = steps.end(); m != end; m += steps.step, ++i) {
         const int buf = i % Traits::kdSBuffers;
-        Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
-        Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+        Tensor acc_s = partition_fragment_C(mma_sdp, typename Traits::ScoreShape{});
+        Tensor acc_dp = partition_fragment_C(mma_sdp, typename Traits::ScoreShape{});
         Base::template scores<kQueriesPerWarpgroup>(mma_sdp, tSrK, tSrQ, tdPrV, tdPrdO, pipeline_q, st_q, pipeline_do,
                                                     st_do, shared, query_offset, mask, softcap, alibi, alibi_slope, dropout,
                                                     tScS, m, n_block, scale_log2, acc_s, acc_dp);
@@ -154,15 +178,15 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_, Features_> {
         Tensor rdS = convert_type<Element>(acc_dp);
         copy(r2s, thr_r2s.retile_S(rP), tPsP(_, _, _, buf));
         copy(r2s, thr_r2s.retile_S(rdS), tdSsdS(_, _, _, buf));
-        // Both warpgroups' P^T and dS^T are in shared memory (generic-proxy stores, read next by
-        // wgmma). Buffer buf was last read two steps ago, which both warpgroups finished (each
+        // Every warpgroup's P and dS are in shared memory (generic-proxy stores, read next by
+        // wgmma). Buffer buf was last read two steps ago, which every warpgroup finished (each
         // waits for all its GEMMs before the next step's barrier).
         cutlass::arch::fence_view_async_shared();
         cutlass::arch::NamedBarrier::sync(Traits::kNMmaThreads, int(BwdBarrier::kdSReady));
         Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
         gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_dq, tdQrdS(_, _, _, buf), tdQrK, acc_dq);
-        gemm</*kZeroInit=*/false, /*kWait=*/-1>(mma_dkv, tdVrP(_, _, _, buf), tdVrdO(_, _, _, st_do.index()), acc_dv);
-        gemm</*kZeroInit=*/false, /*kWait=*/-1>(mma_dkv, tdKrdS(_, _, _, buf), tdKrQ(_, _, _, st_q.index()), acc_dk);
+        dkv_gemm(tdVrP(_, _, _, buf), tdVrdO(_, _, _, st_do.index()), acc_dv);
+        dkv_gemm(tdKrdS(_, _, _, buf), tdKrQ(_, _, _, st_q.index()), acc_dk);
         warpgroup_wait<2>();  // dQ done, dV and dK running
         warpgroup_fence_operand(acc_dq);
         add_dq(params, acc_dq, row, m, tid);

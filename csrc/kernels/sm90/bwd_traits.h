@@ -1,12 +1,17 @@
 // Compile-time configuration of the sm90 backward kernel: warpgroup roles, wgmma tiled MMAs,
 // shared-memory layouts, TMA copy types, pipelines and the shared-storage struct.
 //
-// A block owns kBlockN keys, 64 per consumer warpgroup, and walks the query blocks that see them.
-// Per query block every warpgroup computes its keys' S^T = K Q^T and dP^T = V dO^T (keys as the
-// wgmma M dimension, FlashAttention-3's "swapAB"), so that P^T and dS^T come out of the
-// accumulators already in the register layout of the A operand of dV += P^T dO and dK += dS^T Q:
-// neither goes through shared memory. dS^T is also stored to shared memory for dQ = dS K, which
-// the warpgroups split along the queries (d = 64) or the head dim.
+// A block owns kBlockN keys and walks the query blocks that see them. Three layouts:
+// - keys per warpgroup (d <= 128, BwdTraits): 64 keys a consumer warpgroup; per query block every
+//   warpgroup computes its keys' S^T = K Q^T and dP^T = V dO^T (keys as the wgmma M dimension,
+//   FlashAttention-3's "swapAB"), so that P^T and dS^T come out of the accumulators already in the
+//   register layout of the A operand of dV += P^T dO and dK += dS^T Q: neither goes through shared
+//   memory. dS^T is also stored to shared memory for dQ = dS K, which the warpgroups split along
+//   the queries (d = 64) or the head dim;
+// - split d, keys as rows (d = 256, BwdTraitsSplitD): 64 keys, two warpgroups splitting the head
+//   dim of dK, dV and dQ, S^T as above;
+// - split d, queries as rows (d = 192, BwdTraitsSplitDQueryRows): FlashAttention-3's d = 192
+//   layout, more keys a block than wgmma's 64-row atom splits among warpgroups.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -30,16 +35,23 @@ struct DqTarget {
   int turn;
 };
 
-// What both layouts share: the shapes, the (query, d) and (key, d) tiles in shared memory with
+// What the layouts share: the shapes, the (query, d) and (key, d) tiles in shared memory with
 // their transposed views, the dS tile, the TMA copies and the pipelines of Q and dO.
 // kSplitCols: the widest column range of the (key, d) and (query, d) tiles that one warpgroup's
-// wgmma reads on its own (dQ's columns, or dK/dV's in the split-d layout). The tiles' swizzle atom
+// wgmma reads on its own (dQ's columns, or dK/dV's in the split-d layouts). The tiles' swizzle atom
 // is chosen to divide it, as a wgmma operand cannot start inside an atom: d = 96 splits into
-// 48-column halves (16-column atoms), d = 192 into 96 (32-column atoms).
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNMmaWarpGroups_, int kStages_, int kSplitCols, typename Element_>
+// 48-column halves (16-column atoms), d = 192 into thirds of 64 (64-column atoms).
+// kScoresTransposed: the consumers compute S^T and dP^T (keys as wgmma rows; the score tiles and
+// their coordinates are (key, query)), else S and dP ((query, key)).
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNMmaWarpGroups_, int kStages_, int kSplitCols, typename Element_,
+          bool kScoresTransposed_ = true>
 struct BwdTraitsBase {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kStages = kStages_;
+  static constexpr bool kScoresTransposed = kScoresTransposed_;
+  // The shape of a step's score tile (S^T or S) as the accumulators hold it.
+  using ScoreShape = std::conditional_t<kScoresTransposed, Shape<Int<kBlockN>, Int<kBlockM>>,
+                                        Shape<Int<kBlockM>, Int<kBlockN>>>;
   static constexpr int kNMmaWarpGroups = kNMmaWarpGroups_;
   static constexpr int kNMmaThreads = kNMmaWarpGroups * 128;
   static constexpr int kNThreads = kNMmaThreads + 128;
@@ -73,14 +85,18 @@ struct BwdTraitsBase {
                                              Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
   using SmemLayoutQt = decltype(composition(
       SmemLayoutQ{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
-  // dS: (query, key, buffer), the MN-major A operand of dQ; written through its transpose dS^T
-  // (key, query), where each thread's accumulator pairs are two consecutive queries. Two
+  // dS: (query, key, buffer), the A operand of dQ. From S^T it is written through its transpose
+  // (key, query), where each thread's accumulator pairs are two consecutive queries: queries
+  // contiguous (MN-major); from S, pairs of consecutive keys: keys contiguous (K-major). Two
   // buffers: a warpgroup writes step i + 1's dS while another may still read step i's.
   static constexpr int kdSBuffers = 2;
-  using SmemLayoutdS = decltype(tile_to_shape(SmemAtom<GMMA::Major::MN, kBlockM, kBlockN>{},
-                                              Shape<Int<kBlockM>, Int<kBlockN>, Int<kdSBuffers>>{}));
+  using SmemLayoutdS = decltype(tile_to_shape(
+      SmemAtom<kScoresTransposed ? GMMA::Major::MN : GMMA::Major::K, kBlockM, kBlockN>{},
+      Shape<Int<kBlockM>, Int<kBlockN>, Int<kdSBuffers>>{}));
   using SmemLayoutdSt = decltype(composition(
       SmemLayoutdS{}, make_ordered_layout(Shape<Int<kBlockN>, Int<kBlockM>, Int<kdSBuffers>>{}, Step<_2, _1, _3>{})));
+  // dS (and P) as the score accumulators hold it: where their stmatrix stores write.
+  using SmemLayoutdSScores = std::conditional_t<kScoresTransposed, SmemLayoutdSt, SmemLayoutdS>;
 
   static constexpr int kQElems = cosize_v<SmemLayoutQ>, kKVElems = cosize_v<SmemLayoutKV>;
   static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
@@ -127,6 +143,9 @@ struct BwdTraits : BwdTraitsBase<kHeadDim_, kBlockM_, 64 * kNMmaWarpGroups_, kNM
   static constexpr bool kDqThread = true;
   // Warpgroup w alone reads V's rows [64 w, 64 w + 64) (dP^T): free for its epilogue's staging.
   static constexpr bool kOwnVRows = true;
+  // dK and dV accumulate as (key, d).
+  static constexpr bool kdKVTransposed = false;
+  using dKVShape = Shape<Int<kBlockN>, Int<kHeadDim>>;
 
   // S^T = K Q^T and dP^T = V dO^T: (M = keys, N = queries, K = d), both operands K-major.
   using TiledMmaSdP = decltype(make_tiled_mma(
@@ -184,7 +203,7 @@ struct BwdTraits : BwdTraitsBase<kHeadDim_, kBlockM_, 64 * kNMmaWarpGroups_, kNM
   static_assert(kSmemBytes <= 227 * 1024, "sm90 backward tile does not fit in shared memory");
 };
 
-// Layout "head dim per warpgroup" (d = 192, 256, where 2 x 64 x d fp32 accumulators of dK and dV
+// Layout "head dim per warpgroup" (d = 256, where 2 x 64 x d fp32 accumulators of dK and dV
 // exceed a warpgroup's registers): a block of 64 keys; the two consumer warpgroups split S^T and
 // dP^T along the queries (32 each), write P^T and dS^T to shared memory, and split dV, dK and dQ
 // along the head dim (d / 2 columns each: 2 x d / 4 accumulator registers a thread for dK and dV,
@@ -204,6 +223,8 @@ struct BwdTraitsSplitD : BwdTraitsBase<kHeadDim_, kBlockM_, 64, 2, kStages_, kHe
   static_assert(kBlockM == 64 && kHeadDim % 64 == 0);
   static constexpr bool kDqThread = false;
   static constexpr bool kOwnVRows = false;  // both warpgroups read all of V (dP^T split by queries)
+  static constexpr bool kdKVTransposed = false;
+  using dKVShape = Shape<Int<kBlockN>, Int<kHeadDim>>;
 
   // S^T = K Q^T and dP^T = V dO^T: (M = keys, N = queries, K = d); warpgroup w takes queries
   // [w kBlockM / 2, (w + 1) kBlockM / 2).
@@ -243,12 +264,83 @@ struct BwdTraitsSplitD : BwdTraitsBase<kHeadDim_, kBlockM_, 64, 2, kStages_, kHe
   static_assert(kSmemBytes <= 227 * 1024, "sm90 backward tile does not fit in shared memory");
 };
 
+// Layout "head dim per warpgroup, queries as rows" (FlashAttention-3's d = 192 backward): a block
+// of kBlockN keys, kNMmaWarpGroups consumer warpgroups. Per query block of 64, warpgroup w computes
+// S = Q K^T and dP = dO V^T for all the queries and its kBlockN / W keys (queries as wgmma rows:
+// kBlockN need not split into 64-row atoms), writes P and dS to shared memory, and takes columns
+// [w d / W, (w + 1) d / W) of dV^T += dO^T P, dK^T += Q^T dS (the head dim as wgmma rows) and of
+// dQ = dS K, added to the workspace with 16-byte reductions as in BwdTraitsSplitD. Against that
+// layout's 64 keys at d = 192, each step's loads of Q, dO, LSE and D and its P / dS round trip
+// serve 1.5x the keys (96). Registers a thread at d = 192, 96 keys, three warpgroups (160 each):
+// dK^T + dV^T 96, S + dP 32, dQ 32.
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNMmaWarpGroups_, int kStages_, typename Element_>
+struct BwdTraitsSplitDQueryRows
+    : BwdTraitsBase<kHeadDim_, kBlockM_, kBlockN_, kNMmaWarpGroups_, kStages_, kHeadDim_ / kNMmaWarpGroups_, Element_,
+                    /*kScoresTransposed=*/false> {
+  using Base = BwdTraitsBase<kHeadDim_, kBlockM_, kBlockN_, kNMmaWarpGroups_, kStages_, kHeadDim_ / kNMmaWarpGroups_,
+                             Element_, false>;
+  using typename Base::Element;
+  using typename Base::WarpGroupsAlongM;
+  using typename Base::WarpGroupsAlongN;
+  using typename Base::Pipeline;
+  using Base::kHeadDim;
+  using Base::kBlockM;
+  using Base::kBlockN;
+  using Base::kNMmaWarpGroups;
+  using Base::kStages;
+  static constexpr int kKeysPerWarpgroup = kBlockN / kNMmaWarpGroups;
+  static constexpr int kdQCols = kHeadDim / kNMmaWarpGroups;
+  static_assert(kBlockM == 64 && kKeysPerWarpgroup % 16 == 0 && kdQCols % 64 == 0);
+  static constexpr bool kDqThread = false;
+  static constexpr bool kOwnVRows = false;  // every warpgroup reads V's rows of its keys for all d
+  // dK and dV accumulate transposed, (d, key).
+  static constexpr bool kdKVTransposed = true;
+  using dKVShape = Shape<Int<kHeadDim>, Int<kBlockN>>;
+
+  // S = Q K^T and dP = dO V^T: (M = queries, N = keys, K = d), both operands K-major; warpgroup
+  // w takes keys [w kBlockN / W, (w + 1) kBlockN / W).
+  using TiledMmaSdP = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kKeysPerWarpgroup>, Int<kHeadDim>>>(),
+      WarpGroupsAlongN{}));
+  // dV^T += dO^T P and dK^T += Q^T dS: (M = d, N = keys, K = queries), dO^T / Q^T read through the
+  // transposed view of their (query, d) tiles, P / dS through that of their (query, key) tiles
+  // (both MN-major); warpgroup w takes rows [w d / W, (w + 1) d / W).
+  using TiledMmadKV = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, Int<kBlockM>>, GMMA::Major::MN,
+                           GMMA::Major::MN>(),
+      WarpGroupsAlongM{}));
+  // dQ = dS K: (M = queries, N = d, K = keys), dS K-major, K MN-major; columns split as dK's.
+  using TiledMmadQ = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kdQCols>, Int<kBlockN>>, GMMA::Major::K,
+                           GMMA::Major::MN>(),
+      WarpGroupsAlongN{}));
+  static_assert(size<1>(typename TiledMmaSdP::AtomShape_MNK{}) == kKeysPerWarpgroup &&
+                    size<1>(typename TiledMmadKV::AtomShape_MNK{}) == kBlockN &&
+                    size<1>(typename TiledMmadQ::AtomShape_MNK{}) == kdQCols,
+                "one wgmma per k16 slice: a wgmma N outside CuTe's standard shapes needs "
+                "CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED before any CUTLASS header (list this "
+                "instantiation in csrc/generate.py's Family.extended_gmma)");
+  static constexpr bool kExtendedGmma =
+      !standard_gmma_n(kKeysPerWarpgroup) || !standard_gmma_n(kBlockN) || !standard_gmma_n(kdQCols);
+
+  struct SharedStorage : Base::SharedStorageBase {
+    cute::array_aligned<Element, cosize_v<typename Base::SmemLayoutdS>, 1024> p;  // P, as dS
+    cute::array_aligned<float, kBlockM * kStages, 128> lse_log2;
+    cute::array_aligned<float, kBlockM * kStages, 128> dpsum;
+    typename Pipeline::SharedStorage pipeline_q;
+    typename Pipeline::SharedStorage pipeline_do;
+    cutlass::arch::ClusterTransactionBarrier kv_full;
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024, "sm90 backward tile does not fit in shared memory");
+};
+
 // Named barriers of the consumer warpgroups (ids after CUTLASS's reserved ones).
 enum class BwdBarrier : int {
   kdSReady = 0,  // every warpgroup's dS^T (and P^T) of the step is in shared memory
-  kdQTurn = 1,   // split-d layout, deterministic: the dQ warp has seen the block's turn to add dQ
-  kdQAdded = 2,  // split-d layout, deterministic: the consumers have issued their dQ reductions
-  kEpilogue = 3,     // split-d layout: both warpgroups' dK/dV staging in V's tile
+  kdQTurn = 1,   // split-d layouts, deterministic: the dQ warp has seen the block's turn to add dQ
+  kdQAdded = 2,  // split-d layouts, deterministic: the consumers have issued their dQ reductions
+  kEpilogue = 3,     // split-d layouts: every warpgroup's dK/dV staging in V's tile
   kEpilogueWG1 = 4,  // + warpgroup index, keys-per-warpgroup layout: one warpgroup's staging
 };
 

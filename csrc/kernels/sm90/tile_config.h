@@ -39,28 +39,35 @@ constexpr FwdTile fwd_tile(int head_dim) {
 
 namespace cutlass_flash::sm90 {
 
-// Backward, two layouts (sm90/bwd_traits.h). Keys per warpgroup (d <= 128): a block keeps
+// Backward, three layouts (sm90/bwd_traits.h). Keys per warpgroup (d <= 128): a block keeps
 // 64 x mma_warpgroups keys, each consumer warpgroup accumulating its 64 keys' dK and dV in
 // registers, and streams block_m query rows per step through `stages` buffers of Q and dO.
-// Split d (d > 128): a block keeps 64 keys and the two consumer warpgroups split the head dim.
-enum class BwdLayout { kKeysPerWarpgroup, kSplitD };
+// Split d: the consumer warpgroups split the head dim of dK, dV and dQ; with keys as rows a
+// block keeps 64 keys (two warpgroups), with queries as rows block_n.
+enum class BwdLayout { kKeysPerWarpgroup, kSplitD, kSplitDQueryRows };
 
 struct BwdTile {
   BwdLayout layout;
   int block_m;
-  int mma_warpgroups;  // keys per warpgroup: block_n = 64 x this
+  int mma_warpgroups;
   int stages;
+  int block_n;
 };
 
 constexpr BwdTile bwd_tile(int head_dim) {
   // Registers per consumer thread: dK + dV = head_dim, S + dP = block_m (fp32), P and dS in 16 bits
   // block_m / 2, dQ block_m x head_dim / (64 x warpgroups): within 240 at 64 x 128 for d <= 128.
   // d = 64 at block_m 128 spilled 68 B (S + dP 128 registers).
-  if (head_dim <= 64) return {BwdLayout::kKeysPerWarpgroup, 128, 2, 2};
-  if (head_dim <= 128) return {BwdLayout::kKeysPerWarpgroup, 64, 2, 2};
-  // Split d: dK + dV d / 2, dQ d / 4, S + dP 32 registers a thread; shared memory at d = 256:
-  // K, V 2 x 32 KiB, Q and dO 2 x 2 x 32 KiB, P^T and dS^T 2 x 2 x 8 KiB = 224 KiB.
-  return {BwdLayout::kSplitD, 64, 2, 2};
+  if (head_dim <= 64) return {BwdLayout::kKeysPerWarpgroup, 128, 2, 2, 128};
+  if (head_dim <= 128) return {BwdLayout::kKeysPerWarpgroup, 64, 2, 2, 128};
+  // d = 192, FlashAttention-3's tile: 96 keys, three warpgroups of 160 registers (dK^T + dV^T 96,
+  // S + dP 32, dQ 32 a thread); shared memory K, V 2 x 36 KiB, Q and dO 2 x 2 x 24 KiB, P and dS
+  // 2 x 2 x 12 KiB = 216 KiB. The keys-as-rows split-d layout ran at 0.78-0.81x FlashAttention-3
+  // there (64 keys a block, PERFLOG.md entry 82).
+  if (head_dim <= 192) return {BwdLayout::kSplitDQueryRows, 64, 3, 2, 96};
+  // Split d, keys as rows: dK + dV d / 2, dQ d / 4, S + dP 32 registers a thread; shared memory at
+  // d = 256: K, V 2 x 32 KiB, Q and dO 2 x 2 x 32 KiB, P^T and dS^T 2 x 2 x 8 KiB = 224 KiB.
+  return {BwdLayout::kSplitD, 64, 2, 2, 64};
 }
 
 }  // namespace cutlass_flash::sm90
