@@ -154,7 +154,7 @@ struct BwdMainloop {
       for (int mb = steps.first(), end = steps.end(); mb != end; mb += steps.step) {
         pipeline.producer_acquire(st);
         uint64_t& barrier = *pipeline.producer_get_barrier(st);
-        copy(tma.with(barrier, 0), tg(_, mb), ts(_, st.index()));
+        copy(tma.with(barrier, 0, kEvictLast), tg(_, mb), ts(_, st.index()));
         bulk_load(smem_stats + st.index() * kBlockM, row_stats + mb * kBlockM, Traits::kRowStatBytes, barrier);
         ++st;
       }

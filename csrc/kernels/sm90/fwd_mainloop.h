@@ -96,7 +96,7 @@ struct FwdMainloop {
     CUTE_UNROLL
     for (int w = 0; w < Traits::kNMmaWarpGroups; ++w) {
       Tensor dst = make_tensor(tQsQ.data() + w * Traits::kSlabElems, tQsQ.layout());
-      copy(params.tma_q.with(reinterpret_cast<uint64_t&>(shared.q_full), 0),
+      copy(params.tma_q.with(reinterpret_cast<uint64_t&>(shared.q_full), 0, kEvictFirst),
            tQgQ(_, tile.block * Traits::kNMmaWarpGroups + w), dst);
     }
   }
@@ -105,7 +105,7 @@ struct FwdMainloop {
   __device__ __forceinline__ static void load_stage(const TmaCopy& tma, PipelineKV& pipeline, PipelineState& state,
                                                     const TensorG& g, TensorS& s, int n_block) {
     pipeline.producer_acquire(state);
-    copy(tma.with(*pipeline.producer_get_barrier(state), 0), g(_, n_block), s(_, state.index()));
+    copy(tma.with(*pipeline.producer_get_barrier(state), 0, kEvictLast), g(_, n_block), s(_, state.index()));
     ++state;
   }
 
