@@ -17,7 +17,8 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/cutlass_flash_out}
 LOGS=/tmp/record_logs
 mkdir -p "$OUT" "$LOGS"
-BENCH=${BENCH:---dtype bf16,fp16 --head-dims 64,128,256 --seqlens 1024,2048,8192 --rounds 3 --budget-ms 45}
+# The record grid (RECORD: benchmark arguments but the dtype), timed for bf16 and fp16.
+RECORD=${RECORD:---head-dims 64,128,256 --seqlens 1024,2048,8192 --rounds 3 --budget-ms 45}
 
 case "${PHASE:-tests}" in
   tests)
@@ -53,12 +54,12 @@ case "${PHASE:-tests}" in
       # (a drift anchor), bf16; the record tables come from the first A round.
       cp "$lib" /tmp/lib_a.so
       AB=${AB:---dtype bf16 --head-dims 64,128,256 --seqlens 1024,2048,8192 --impls ours,sdpa-cudnn --rounds 3 --budget-ms 45 --no-plot}
-      bench record-bf16 "$OUT" --dtype bf16 ${RECORD:---head-dims 64,128,256 --seqlens 1024,2048,8192 --rounds 3 --budget-ms 45}
+      bench record-bf16 "$OUT" --dtype bf16 $RECORD
       cp "$BASE_LIB" "$lib" && bench ab-base "$LOGS" $AB
       cp /tmp/lib_a.so "$lib" && bench ab-a2 "$LOGS" $AB
-      bench record-fp16 "$OUT" --dtype fp16 ${RECORD:---head-dims 64,128,256 --seqlens 1024,2048,8192 --rounds 3 --budget-ms 45}
+      bench record-fp16 "$OUT" --dtype fp16 $RECORD
     else
-      bench record "$OUT" $BENCH
+      bench record "$OUT" --dtype bf16,fp16 $RECORD
     fi
     ;;
 esac

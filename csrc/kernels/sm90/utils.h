@@ -26,9 +26,9 @@ using namespace cute;
 // L2 eviction priorities of TMA loads and bulk reduce-adds, as FlashAttention-3 gives them: data
 // that other blocks read again soon (the forward's K and V, read by every query tile of a head;
 // the backward's Q and dO, read by every key block; the dQ accumulator, added to by every key
-// block) is kept over data read once (the forward's Q). Without them the d = 128 causal forward
-// at 8k tokens hit L2 77.6% of the time against FA3's 89.6% and read twice its DRAM bytes
-// (ncu, PERFLOG.md entry 78).
+// block) is kept over data read once (the forward's Q). Measured against none on an H100: within
+// the runs' spread (medians +0.4% forward, +1.1% backward, PERFLOG.md entry 85), so the lower L2
+// hit rate of entry 78 (77.6% against FA3's 89.6%) is not what the d = 128 forward waits on.
 static __device__ constexpr TMA::CacheHintSm90 kEvictFirst = TMA::CacheHintSm90::EVICT_FIRST;
 static __device__ constexpr TMA::CacheHintSm90 kEvictLast = TMA::CacheHintSm90::EVICT_LAST;
 
