@@ -53,7 +53,7 @@ case "${PHASE:-tests}" in
       # A/B against another kernel library (BASE_LIB), as A B A rounds of our column beside cuDNN's
       # (a drift anchor), bf16; the record tables come from the first A round.
       cp "$lib" /tmp/lib_a.so
-      AB=${AB:---dtype bf16 --head-dims 64,128,256 --seqlens 1024,2048,8192 --impls ours,sdpa-cudnn --rounds 3 --budget-ms 45 --no-plot}
+      AB=${AB:---dtype bf16 $RECORD --impls ours,sdpa-cudnn --no-plot}
       bench record-bf16 "$OUT" --dtype bf16 $RECORD
       cp "$BASE_LIB" "$lib" && bench ab-base "$LOGS" $AB
       cp /tmp/lib_a.so "$lib" && bench ab-a2 "$LOGS" $AB
