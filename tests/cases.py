@@ -129,6 +129,11 @@ def missing_kernels(case):
     hd = cutlass_flash.padded_head_dim(case.head_dim)
     from cutlass_flash import _dispatch
 
+    if case.arch == 0:
+        # Auto: a family this GPU runs that has the kernel (_dispatch.resolve_arch picks among
+        # them); there is no (0, ...) kernel to look for.
+        return [(max(kernel_archs()), d, hd, case.dtype) for d in ("fwd", "bwd")
+                if not any((a, d, hd, case.dtype) in built for a in kernel_archs())]
     dims = _dispatch.FAMILIES.get(case.arch, {})
     arch = {d: case.arch if hd in dims.get(d, (hd,)) else _dispatch.FALLBACK_ARCH
             for d in ("fwd", "bwd")}

@@ -1,5 +1,6 @@
 """A short bf16 training loop of a small GQA decoder with our op matches the same loop with
-PyTorch SDPA (benchmarks/train_check.py): loss curves within bf16 noise."""
+PyTorch SDPA (benchmarks/train_check.py): loss curves within the drift between SDPA's own
+backends."""
 import os
 import sys
 
@@ -23,8 +24,17 @@ def test_training_loss_matches_sdpa():
     ref = train_check.train(train_check.sdpa)
     # The loop must learn (it memorises one batch): otherwise agreement says nothing.
     assert ref[-1] < 0.5 * ref[0], ref
-    # bf16 weights and activations drift apart step by step whichever attention runs; 5% of the
-    # loss bounds that drift over 30 steps while a wrong gradient (a sign, a missing scale, a
-    # wrong head) changes the curve by far more.
-    for step, (a, b) in enumerate(zip(ours, ref)):
-        assert abs(a - b) <= 0.05 * max(b, 0.1), (step, ours, ref)
+    # bf16 weights and activations drift apart step by step whichever attention runs, most where
+    # the loss is small (steps 20-30). The bound is the drift of PyTorch's own math backend from
+    # its default one over the same loop (the accuracy rule's 2x, plus a floor): on an H100 ours
+    # deviated by at most 0.0115 and the math backend by 0.0103, where a fixed 5% of the loss
+    # (0.0096 at step 24) failed both. A wrong gradient (a sign, a missing scale, a wrong head)
+    # changes the curve by far more.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.MATH]):
+        other = train_check.train(train_check.sdpa)
+    drift = max(abs(a - b) for a, b in zip(other, ref))
+    assert drift < 0.05 * ref[0], (other, ref)  # the bound stays tight
+    deviation = max(abs(a - b) for a, b in zip(ours, ref))
+    assert deviation <= 2 * drift + 1e-3, (deviation, drift, ours, ref, other)
