@@ -98,6 +98,7 @@ def _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, determini
     dtype_name = _dispatch.DTYPE_NAMES[q.dtype]
     device = q.device
     arch = _dispatch.resolve_arch(arch, "fwd", padded, dtype_name, device, varlen is not None)
+    padded = _dispatch.features_head_dim(arch, "fwd", padded, dtype_name, softcap, alibi_slopes)
     _validate.check_family_features(arch, "fwd", padded, softcap, alibi_slopes)
     C = _dispatch.lib()
 
@@ -185,6 +186,7 @@ def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
     dtype_name = _dispatch.DTYPE_NAMES[q.dtype]
     device = q.device
     arch = _dispatch.resolve_arch(arch, "bwd", padded, dtype_name, device, varlen is not None)
+    padded = _dispatch.features_head_dim(arch, "bwd", padded, dtype_name, softcap, alibi_slopes)
     _validate.check_family_features(arch, "bwd", padded, softcap, alibi_slopes)
     C = _dispatch.lib()
 

@@ -251,10 +251,11 @@ def check_alibi(alibi_slopes, batch, nheads, device):
 
 def check_family_features(arch, direction, head_dim, softcap, alibi_slopes):
     """Feature combinations a family's kernels have no path for at (padded) head_dim (the
-    generator's SOFTCAP_ALIBI): softcap with ALiBi in the backwards that recover tanh's value from
-    P, which the bias shifts (every sm80 backward, the sm90 one at d = 64)."""
+    generator's SOFTCAP_ALIBI), after _dispatch.features_head_dim moved the call to a larger head
+    dim where one has it: softcap with ALiBi in the backwards that recover tanh's value from P,
+    which the bias shifts (every sm80 backward; the sm90 one at d = 64 runs the pair at d = 96)."""
     if softcap > 0 and alibi_slopes is not None and head_dim not in SOFTCAP_ALIBI.get(arch, {}).get(direction, ()):
-        takers = sorted(a for a, dims in SOFTCAP_ALIBI.items() if head_dim in dims.get(direction, ()))
+        takers = sorted(a for a, dims in SOFTCAP_ALIBI.items() if any(d >= head_dim for d in dims.get(direction, ())))
         where = f"the {', '.join(f'sm{a}' for a in takers)} family does" if takers else "no family does"
         hint = "pass one of them, or run without gradients" if direction == "bwd" else "pass one of them"
         raise NotImplementedError(

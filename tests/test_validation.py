@@ -184,24 +184,25 @@ def test_bad_arguments_raise_before_the_op(fake_backend, case):
 
 def test_softcap_with_alibi(fake_backend):
     """softcap with ALiBi (the generator's SOFTCAP_ALIBI): both forwards run the pair at every
-    head dim; the sm90 backward from d = 96 (its 64-query steps hold tanh's derivative); the sm80
-    backward and the sm90 one at d = 64 refuse it, naming it and the family that takes it, before
-    any kernel runs."""
+    head dim; the sm90 backward from d = 96 (its 64-query steps hold tanh's derivative), and at
+    d = 64 zero-padded to d = 96 (_dispatch.features_head_dim); the sm80 backward refuses it,
+    naming it and the family that takes it, before any kernel runs."""
     slopes = torch.full((4,), 0.25)
-    for arch, d, takes in ((90, 64, False), (90, 128, True), (80, 64, False), (80, 128, False)):
+    for arch, d, runs_at in ((90, 64, 96), (90, 128, 128), (80, 64, None), (80, 128, None)):
         q, k, v = (torch.randn_like(t).requires_grad_() for t in qkv(d=d))
         fake_backend.calls.clear()
         with cutlass_flash.force_arch(arch):
             out = flash_attn_func(q, k, v, softcap=5.0, alibi_slopes=slopes)
             assert [(dr, a) for dr, a, _ in fake_backend.calls] == [("fwd", arch)]
-            if takes:
+            if runs_at:
                 out.sum().backward()
                 assert [(dr, a) for dr, a, _ in fake_backend.calls] == [("fwd", arch), ("bwd", arch)]
+                assert fake_backend.calls[1][2]["head_dim"] == runs_at
+                assert q.grad.shape == q.shape and k.grad.shape == k.shape
                 continue
-            where = "no family does" if d == 64 else "the sm90 family does"
             with pytest.raises(NotImplementedError,
                                match=rf"sm{arch} backward at head_dim {d} does not support softcap and "
-                                     rf"alibi_slopes together \({where}\)"):
+                                     rf"alibi_slopes together \(the sm90 family does\)"):
                 out.sum().backward()
         assert [dr for dr, _, _ in fake_backend.calls] == ["fwd"]
 
