@@ -9,6 +9,7 @@ layout checks need no GPU: tests run them on CPU or meta tensors.
 
 import math
 import os
+import warnings
 
 import torch
 
@@ -372,6 +373,12 @@ def check_cu_seqlens_content(name, cu, total, max_seqlen):
                              f"{max_seqlen}")
     if values[-1] > total:
         raise ValueError(f"{name}[-1] = {values[-1]} is past the tensor's {total} rows")
+    if values[-1] < total:
+        # Legal (a static buffer's padding: its rows of out and the gradients are written as
+        # zeros, lse as +inf), but often a mistake, which this debug check exists to find.
+        warnings.warn(f"{name}[-1] = {values[-1]} leaves {total - values[-1]} of the tensor's {total} rows "
+                      f"outside every sequence (padding: out and gradients 0, lse +inf there)",
+                      stacklevel=4)
 
 
 def check_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,

@@ -65,7 +65,8 @@ def test_every_tile_once_longest_first_per_group(tmp_path):
     src = tmp_path / "sched.cu"
     src.write_text(PROGRAM)
     exe = tmp_path / "sched"
-    subprocess.run([nvcc, "-std=c++17", "-I", str(CSRC), str(src), "-o", str(exe)], check=True)
+    subprocess.run([nvcc, "-std=c++17", "-I", str(CSRC), "-I", str(CSRC / "include"), str(src), "-o", str(exe)],
+                   check=True)
     out = subprocess.run([str(exe)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.strip() == "configs=288 errors=0"

@@ -3,6 +3,7 @@
 // nothing here aborts or lets an exception escape. No torch, no Python, no CuTe.
 #include "cutlass_flash/api.h"
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -14,6 +15,7 @@
 #include "dispatch/table.h"
 #include "dispatch/validate.h"
 #include "generated/bwd_workspace.h"
+#include "kernels/common/varlen_workspace.h"
 
 namespace cutlass_flash {
 namespace dispatch {
@@ -294,9 +296,12 @@ Status run_bwd(const BwdParams& params, int arch, cudaStream_t stream) {
   }, &dispatch::Entry::bwd);
 }
 
-size_t fwd_workspace_bytes(const AttnProblem&, int arch) {
+size_t fwd_workspace_bytes(const AttnProblem& problem, int arch) {
   const dispatch::CatalogFamily* fam = dispatch::find_family(arch);
-  return fam == nullptr ? 0 : fam->fwd_workspace_bytes;
+  if (fam == nullptr) return 0;
+  // A packed batch's tile list holds the family's scratch in its header (varlen_workspace.h).
+  return problem.is_varlen() ? std::max(size_t(fam->fwd_workspace_bytes), fwd_varlen_bytes(problem))
+                             : fam->fwd_workspace_bytes;
 }
 
 size_t bwd_workspace_bytes(const AttnProblem& problem, int arch, bool deterministic) {
@@ -304,7 +309,7 @@ size_t bwd_workspace_bytes(const AttnProblem& problem, int arch, bool determinis
     return 0;
   const dispatch::CatalogFamily* fam = dispatch::find_family(arch);
   if (fam == nullptr || !fam->has_bwd) return 0;  // no backward kernel in that family
-  return bwd_workspace_layout(problem, deterministic, arch).total_bytes;
+  return bwd_workspace_layout(problem, deterministic, arch).total_bytes + bwd_varlen_bytes(problem);
 }
 
 const std::vector<KernelKey>& built_kernels() {

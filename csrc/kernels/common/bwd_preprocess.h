@@ -15,6 +15,7 @@
 #include "cutlass_flash/params.h"
 #include "generated/bwd_workspace.h"
 #include "kernels/common/block_info.h"
+#include "kernels/common/tile_scheduler.h"
 
 namespace cutlass_flash {
 
@@ -23,7 +24,11 @@ struct BwdPreprocess {
   static constexpr int kRowsPerBlock = 64;
   static_assert(kBwdRowAlign % kRowsPerBlock == 0 && kRowsPerBlock % kBwdSemaphoreRows == 0);
 
-  static dim3 grid(const BwdParams& params, int arch) {
+  // rows: a packed batch's query rows in kBwdRowAlign tiles (common/varlen_tiles.h), each taken
+  // by kBwdRowAlign / kRowsPerBlock blocks; dense (rows.count null): every sequence's rounded rows.
+  static dim3 grid(const BwdParams& params, int arch, const VarlenTiles& rows) {
+    if (rows.count != nullptr)
+      return dim3(unsigned(rows.capacity * (kBwdRowAlign / kRowsPerBlock)), params.problem.nheads, 1);
     const BwdWorkspace ws = bwd_workspace_layout(params.problem, params.deterministic, arch);
     return dim3(unsigned(ws.seqlen_q_rounded / kRowsPerBlock), params.problem.nheads, params.problem.batch);
   }
@@ -31,14 +36,19 @@ struct BwdPreprocess {
 
 // kArch: the family whose main kernel follows (its dQ groups, bwd_workspace_layout).
 template <int kArch, int kHeadDim, typename Element>
-__global__ void __launch_bounds__(BwdPreprocess::kWarps * 32) bwd_preprocess_kernel(const __grid_constant__ BwdParams params) {
+__global__ void __launch_bounds__(BwdPreprocess::kWarps * 32)
+    bwd_preprocess_kernel(const __grid_constant__ BwdParams params, const __grid_constant__ VarlenTiles rows) {
   constexpr int kRows = BwdPreprocess::kRowsPerBlock, kThreads = BwdPreprocess::kWarps * 32;
   const AttnProblem& p = params.problem;
   const BwdWorkspace ws = bwd_workspace_layout(p, params.deterministic, kArch);
   const int head = blockIdx.y;
-  const SeqInfo seq(p, blockIdx.z);
+  int batch = blockIdx.z, block = blockIdx.x;
+  if (rows.count != nullptr && !rows.part(blockIdx.x, kRows, batch, block)) return;
+  const SeqInfo seq(p, batch);
   // Every row the main kernels read: the sequence's rows rounded up to whole query tiles.
-  if (blockIdx.x * kRows >= (seq.seqlen_q + kBwdRowAlign - 1) / kBwdRowAlign * kBwdRowAlign) return;
+  if (block * kRows >= (seq.seqlen_q + kBwdRowAlign - 1) / kBwdRowAlign * kBwdRowAlign) return;
+  // The padding after a packed batch's last sequence: no query of it is read (D = 0, LSE = +inf).
+  const int seqlen_q = seq.padding ? 0 : seq.seqlen_q;
   const int64_t bh_row = seq.workspace_row(p, ws.rows_per_head, head);
   char* workspace = static_cast<char*>(params.workspace);
   float* dq_accum = reinterpret_cast<float*>(workspace + ws.dq_accum_offset);
@@ -50,7 +60,7 @@ __global__ void __launch_bounds__(BwdPreprocess::kWarps * 32) bwd_preprocess_ker
   if (params.deterministic && threadIdx.x < kRows / kBwdSemaphoreRows) {
     int* sem = reinterpret_cast<int*>(workspace + ws.dq_semaphore_offset);
     for (int g = 0; g < ws.dq_groups; ++g)
-      sem[(g * ws.rows + bh_row + blockIdx.x * kRows) / kBwdSemaphoreRows + threadIdx.x] = 0;
+      sem[(g * ws.rows + bh_row + block * kRows) / kBwdSemaphoreRows + threadIdx.x] = 0;
   }
   // kThreadsPerRow: the row's 16-byte chunks rounded up to a power of two (d = 96: 12 of 16
   // threads load, d = 192: 24 of 32), so the group's shuffle reduction stays inside the group.
@@ -58,7 +68,7 @@ __global__ void __launch_bounds__(BwdPreprocess::kWarps * 32) bwd_preprocess_ker
   constexpr int kThreadsPerRow = kChunks <= 8 ? 8 : kChunks <= 16 ? 16 : 32;
   static_assert(kChunks <= 32, "one 16-byte chunk per thread and row");
   constexpr int kRowsPerPass = kThreads / kThreadsPerRow, kPasses = kRows / kRowsPerPass;
-  const int chunk = threadIdx.x % kThreadsPerRow, row0 = blockIdx.x * kRows + threadIdx.x / kThreadsPerRow;
+  const int chunk = threadIdx.x % kThreadsPerRow, row0 = block * kRows + threadIdx.x / kThreadsPerRow;
   // Passes go in batches of kBatch, each batch's loads issued before its reductions: with every
   // pass in flight at once the kernel took 84 registers at d = 128 and 153 at d = 256 (one block
   // of 256 threads per SM); 2 passes a thread keep about 6 blocks resident.
@@ -71,7 +81,7 @@ __global__ void __launch_bounds__(BwdPreprocess::kWarps * 32) bwd_preprocess_ker
     for (int i = 0; i < kBatch; ++i) {
       const int row = row0 + (b + i) * kRowsPerPass;
       ov[i] = dv[i] = make_uint4(0, 0, 0, 0);
-      if (row < seq.seqlen_q && chunk < kChunks) {
+      if (row < seqlen_q && chunk < kChunks) {
         ov[i] = *reinterpret_cast<const uint4*>(o + row * params.o.row_stride + chunk * 8);
         dv[i] = *reinterpret_cast<const uint4*>(dout + row * params.dout.row_stride + chunk * 8);
       }
@@ -80,7 +90,7 @@ __global__ void __launch_bounds__(BwdPreprocess::kWarps * 32) bwd_preprocess_ker
       // The block's dQ accumulator rows are contiguous in each group: zeroed with float4 stores
       // while the first loads are in flight.
       for (int g = 0; g < ws.dq_groups; ++g) {
-        float4* dq_rows = reinterpret_cast<float4*>(dq_accum + (g * ws.rows + bh_row + blockIdx.x * kRows) * kHeadDim);
+        float4* dq_rows = reinterpret_cast<float4*>(dq_accum + (g * ws.rows + bh_row + block * kRows) * kHeadDim);
         CUTE_UNROLL
         for (int i = threadIdx.x; i < kRows * kHeadDim / 4; i += kThreads) dq_rows[i] = make_float4(0.f, 0.f, 0.f, 0.f);
       }
@@ -97,7 +107,7 @@ __global__ void __launch_bounds__(BwdPreprocess::kWarps * 32) bwd_preprocess_ker
       for (int offset = kThreadsPerRow / 2; offset > 0; offset /= 2) acc += __shfl_xor_sync(0xffffffff, acc, offset);
       if (chunk == 0) {
         dpsum[bh_row + row] = acc;
-        lse_log2[bh_row + row] = row < seq.seqlen_q ? lse[row] * float(M_LOG2E) : INFINITY;
+        lse_log2[bh_row + row] = row < seqlen_q ? lse[row] * float(M_LOG2E) : INFINITY;
       }
     }
   }

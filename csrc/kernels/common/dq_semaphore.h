@@ -49,7 +49,7 @@ struct DqSemaphore {
     int seen;
     do {
       asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(sem) : "memory");
-    } while (seen != value);
+    } while (seen < value);  // never past it for valid cu_seqlens; bad content must not hang
   }
 
   // One thread, after its block's additions are complete and visible (release).

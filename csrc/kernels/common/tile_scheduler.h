@@ -5,6 +5,9 @@
 
 #include <cstdint>
 
+#include "cutlass_flash/params.h"
+#include "kernels/common/varlen_workspace.h"
+
 namespace cutlass_flash {
 
 struct TileCoord {
@@ -13,13 +16,78 @@ struct TileCoord {
   int batch;
 };
 
+// The (sequence, block) tiles of one side of a packed batch (query rows or key rows) at one block
+// size, in sequence order with blocks ascending, then the padding rows after the last sequence
+// (SeqInfo, index batch); built on the GPU by varlen_tiles_kernel (common/varlen_tiles.h) into
+// the workspace (common/varlen_workspace.h).
+struct VarlenTiles {
+  int2* tiles = nullptr;  // {sequence, block}
+  int* count = nullptr;   // tiles written (at most capacity); count[1]: the forward's tile counter
+  int capacity = 0;
+  int block = 0;          // rows per tile
+  bool keys = false;      // tiles of key rows (cu_seqlens_k), else of query rows
+
+  // Host: the list of `block`-row tiles at `storage` (16-byte aligned, varlen_list_bytes with a
+  // block no larger).
+  static VarlenTiles at_storage(void* storage, const AttnProblem& p, int block, bool keys) {
+    VarlenTiles t;
+    t.count = static_cast<int*>(storage);
+    t.tiles = reinterpret_cast<int2*>(static_cast<char*>(storage) + kVarlenListHeaderBytes);
+    t.block = block;
+    t.keys = keys;
+    t.capacity = int(varlen_tile_capacity(keys ? p.total_k : p.total_q, p.batch, block));
+    return t;
+  }
+
+#if defined(__CUDACC__)
+  __device__ int size() const { return *count; }
+
+  // Tile r (r < size()) as (block, head, sequence).
+  __device__ TileCoord at(int r, int head) const {
+    const int2 t = tiles[r];
+    return {t.y, head, t.x};
+  }
+
+  // Grids over parts of `rows` rows of the tiles (rows dividing block; the backward's row
+  // kernels): part x as (sequence, block of `rows` rows); false past the list.
+  __device__ bool part(int x, int rows, int& batch, int& row_block) const {
+    const int parts = block / rows, r = x / parts;
+    if (r >= size()) return false;
+    const int2 t = tiles[r];
+    batch = t.x;
+    row_block = t.y * parts + x % parts;
+    return true;
+  }
+#endif
+};
+
 // One thread block per tile, tiles fastest. With a causal mask the tile with the highest index has
 // the most work; the hardware starts blocks in launch order, so issuing those first shortens the
 // tail where a few long blocks run alone on an otherwise idle GPU.
+//
+// A packed batch launches its list's capacity of blocks per head (grid.y) instead of the longest
+// sequence's blocks for every sequence: block x takes the list's tile x (size() - 1 - x when
+// longest first: each sequence's later blocks first, the sequences in reverse order), and the
+// blocks past the list's size get block = -1 and end. Within a (sequence, head) blocks still
+// start in the order of their block index, which the deterministic dQ protocol relies on
+// (common/dq_semaphore.h).
 struct GridTileScheduler {
-  static dim3 grid(int num_blocks, int nheads, int batch) { return dim3(num_blocks, nheads, batch); }
+  struct Params {
+    VarlenTiles tiles;  // packed batches (tiles.count != nullptr)
+  };
 
-  __device__ static TileCoord get(bool longest_first) {
+  static dim3 grid(const Params& sp, int num_blocks, int nheads, int batch) {
+    if (sp.tiles.count != nullptr) return dim3(unsigned(sp.tiles.capacity), nheads, 1);
+    return dim3(num_blocks, nheads, batch);
+  }
+
+#if defined(__CUDACC__)
+  __device__ static TileCoord get(const Params& sp, bool longest_first) {
+    if (sp.tiles.count != nullptr) {
+      const int n = sp.tiles.size(), x = int(blockIdx.x);
+      if (x >= n) return {-1, int(blockIdx.y), 0};
+      return sp.tiles.at(longest_first ? n - 1 - x : x, int(blockIdx.y));
+    }
     const int b = longest_first ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
     return {b, int(blockIdx.y), int(blockIdx.z)};
   }
@@ -27,13 +95,18 @@ struct GridTileScheduler {
   // The same tile, read again where it is called: the compiler cannot prove it equal to get()'s,
   // so the addresses a kernel derives from it inside a loop are computed there instead of being
   // held in registers (or spilled) across the loop's body.
-  __device__ static TileCoord get_here(bool longest_first) {
+  __device__ static TileCoord get_here(const Params& sp, bool longest_first) {
     int x, y, z;
     asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(x));
     asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(y));
     asm volatile("mov.u32 %0, %%ctaid.z;" : "=r"(z));
+    if (sp.tiles.count != nullptr) {
+      const int n = sp.tiles.size();
+      return sp.tiles.at(longest_first ? n - 1 - x : x, y);
+    }
     return {longest_first ? int(gridDim.x) - 1 - x : x, y, z};
   }
+#endif
 };
 
 // The tile order of a persistent grid (one block per SM): tile index -> (query block, head,

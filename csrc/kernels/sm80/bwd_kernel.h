@@ -26,14 +26,17 @@ using namespace cute;
 // accumulators it would have held in the main kernel's dQ MMA (coalesced) and writing them at
 // their (row, col).
 template <typename Traits>
-__global__ void __launch_bounds__(Traits::kNThreads) bwd_convert_dq_kernel(const __grid_constant__ BwdParams params) {
+__global__ void __launch_bounds__(Traits::kNThreads) bwd_convert_dq_kernel(const __grid_constant__ BwdParams params,
+                                                                              const __grid_constant__ VarlenTiles rows) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
   const AttnProblem& p = params.problem;
   const BwdWorkspace ws = bwd_workspace_layout(p, params.deterministic, kFamilyArch);
-  const int tid = threadIdx.x, m_block = blockIdx.x, head = blockIdx.y;
-  const SeqInfo seq(p, blockIdx.z);
-  if (m_block * kBlockM >= seq.seqlen_q) return;  // variable-length: past a shorter sequence
+  const int tid = threadIdx.x, head = blockIdx.y;
+  int batch = blockIdx.z, m_block = blockIdx.x;
+  if (rows.count != nullptr && !rows.part(blockIdx.x, kBlockM, batch, m_block)) return;  // past a packed batch's rows
+  const SeqInfo seq(p, batch);
+  if (m_block * kBlockM >= seq.seqlen_q) return;  // past the sequence's rows
   const int64_t bh_row = seq.workspace_row(p, ws.rows_per_head, head);
   const float* dq_tile = reinterpret_cast<const float*>(static_cast<const char*>(params.workspace) +
                                                         ws.dq_accum_offset) +
@@ -64,7 +67,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_convert_dq_kernel(const
 
 // The main kernel, composed as bwd_kernel<Mainloop, Epilogue, Scheduler> like the sm90 family's.
 template <typename Mainloop, typename Epilogue, typename Scheduler>
-__global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1) bwd_kernel(const __grid_constant__ BwdParams params) {
+__global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
+    bwd_kernel(const __grid_constant__ BwdParams params, const __grid_constant__ typename Scheduler::Params sched) {
   using Traits = typename Mainloop::Traits;
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
@@ -74,14 +78,16 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1) bwd_kernel(con
   // Key blocks near the start are seen by the most query rows under a causal mask: natural order
   // already starts the longest blocks first. Deterministic mode relies on lower key blocks
   // starting first (common/dq_semaphore.h).
-  const TileCoord tile = Scheduler::get(/*longest_first=*/false);
+  const TileCoord tile = Scheduler::get(sched, /*longest_first=*/false);
+  if (tile.block < 0) return;  // past a packed batch's key blocks
   const int n_block = tile.block, head_kv = tile.head;
   const SeqInfo seq(p, tile.batch);
-  if (n_block * kBlockN >= seq.seqlen_k) return;  // variable-length: past a shorter sequence
+  if (n_block * kBlockN >= seq.seqlen_k) return;  // past the sequence's keys
   const int group = p.nheads / p.nheads_kv;
-  const WindowMask mask(seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right);
+  const WindowMask mask(seq.seqlen_q, seq.mask_seqlen_k(), p.window_left, p.window_right);
   int m_min, m_max;
   mask.m_block_range<kBlockM, kBlockN>(n_block, m_min, m_max);
+  if (seq.padding) m_max = m_min;  // keys after a packed batch's last sequence: dK = dV = 0
 
   auto rows_tensor = [](Element* ptr, int rows, int64_t row_stride) {
     return make_tensor(make_gmem_ptr(ptr), make_shape(rows, Int<kHeadDim>{}), make_stride(row_stride, _1{}));
@@ -117,7 +123,7 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1) bwd_kernel(con
                               dq_row, n_block, ws.dq_groups};
     // K and V (loaded again for each query head) from the tile read here: built before the loop,
     // their addresses were held across it and spilled (48 B at d = 64, 92 B at d = 256, sm_80).
-    const TileCoord kv = Scheduler::get_here(/*longest_first=*/false);
+    const TileCoord kv = Scheduler::get_here(sched, /*longest_first=*/false);
     const SeqInfo kv_seq(p, kv.batch);
     Tensor gK = key_tile(params.k, kv_seq, kv);
     Tensor gV = key_tile(params.v, kv_seq, kv);
@@ -127,7 +133,7 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1) bwd_kernel(con
                   Softcap::softmax_scale(p) * float(M_LOG2E), acc_dk, acc_dv, dq_order);
   }
   // dK and dV's addresses and rows likewise from the tile read after the loop.
-  const TileCoord out = Scheduler::get_here(/*longest_first=*/false);
+  const TileCoord out = Scheduler::get_here(sched, /*longest_first=*/false);
   const SeqInfo out_seq(p, out.batch);
   Tensor gdK = key_tile(params.dk, out_seq, out);
   Tensor gdV = key_tile(params.dv, out_seq, out);

@@ -4,6 +4,7 @@
 
 #include "kernels/common/bwd_preprocess.h"
 #include "kernels/common/tile_scheduler.h"
+#include "kernels/common/varlen_tiles.h"
 #include "kernels/sm80/bwd_kernel.h"
 #include "kernels/sm80/bwd_traits.h"
 #include "kernels/sm80/launch.h"
@@ -18,17 +19,36 @@ Status run_bwd(const BwdParams& params, cudaStream_t stream) {
   using Traits = BwdTraits<kHeadDim, kTile.block_m, kTile.block_n, kTile.warps, kTile.atom_m_sdp, kTile.atom_n_dkv,
                            kTile.atom_m_dq, kTile.q_stages, Element, kTile.late_offsets>;
   const AttnProblem& p = params.problem;
-  bwd_preprocess_kernel<kFamilyArch, kHeadDim, Element><<<BwdPreprocess::grid(params, kFamilyArch), BwdPreprocess::kWarps * 32, 0, stream>>>(params);
+  // A packed batch: its query rows (preprocess, dQ conversion) and key blocks (main kernel) are
+  // listed first, so that every grid covers the real tiles (common/varlen_tiles.h).
+  VarlenTiles rows;
+  GridTileScheduler::Params sched;
+  if (p.is_varlen()) {
+    char* lists = static_cast<char*>(params.workspace) + bwd_workspace_layout(p, params.deterministic, kFamilyArch).total_bytes;
+    rows = VarlenTiles::at_storage(lists, p, kBwdRowAlign, /*keys=*/false);
+    sched.tiles = VarlenTiles::at_storage(lists + bwd_varlen_q_bytes(p), p, kTile.block_n, /*keys=*/true);
+    VarlenTilesArgs args;
+    args.problem = p;
+    args.lists[0] = rows;
+    args.lists[1] = sched.tiles;
+    args.num_lists = 2;
+    if (Status s = cuda_status(launch_varlen_tiles(args, stream), "sm80 backward: packed batch tile lists"); !s.ok())
+      return s;
+  }
+  bwd_preprocess_kernel<kFamilyArch, kHeadDim, Element>
+      <<<BwdPreprocess::grid(params, kFamilyArch, rows), BwdPreprocess::kWarps * 32, 0, stream>>>(params, rows);
   if (Status s = cuda_status(cudaGetLastError(), "sm80 backward preprocess launch"); !s.ok()) return s;
 
   constexpr auto kernel = bwd_kernel<BwdMainloop<Traits>, BwdEpilogue<Traits>, GridTileScheduler>;
   if (Status s = ensure_smem_limit<kernel>(Traits::kSmemBytes); !s.ok()) return s;
-  const dim3 grid = GridTileScheduler::grid(ceil_div(p.seqlen_k, kTile.block_n), p.nheads_kv, p.batch);
-  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(params);
+  const dim3 grid = GridTileScheduler::grid(sched, ceil_div(p.seqlen_k, kTile.block_n), p.nheads_kv, p.batch);
+  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(params, sched);
   if (Status s = cuda_status(cudaGetLastError(), "sm80 backward launch"); !s.ok()) return s;
 
-  const dim3 q_grid(ceil_div(p.seqlen_q, kTile.block_m), p.nheads, p.batch);
-  bwd_convert_dq_kernel<Traits><<<q_grid, Traits::kNThreads, 0, stream>>>(params);
+  static_assert(kBwdRowAlign % kTile.block_m == 0, "dQ conversion blocks split the packed row tiles");
+  const dim3 q_grid = rows.count != nullptr ? dim3(unsigned(rows.capacity * (kBwdRowAlign / kTile.block_m)), p.nheads, 1)
+                                            : dim3(ceil_div(p.seqlen_q, kTile.block_m), p.nheads, p.batch);
+  bwd_convert_dq_kernel<Traits><<<q_grid, Traits::kNThreads, 0, stream>>>(params, rows);
   return cuda_status(cudaGetLastError(), "sm80 backward dQ conversion launch");
 }
 

@@ -21,7 +21,8 @@ using namespace cute;
 
 // Composed as fwd_kernel<Mainloop, Epilogue, Scheduler> like the sm90 family's.
 template <typename Mainloop, typename Epilogue, typename Scheduler>
-__global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1) fwd_kernel(const __grid_constant__ FwdParams params) {
+__global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
+    fwd_kernel(const __grid_constant__ FwdParams params, const __grid_constant__ typename Scheduler::Params sched) {
   using Traits = typename Mainloop::Traits;
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
@@ -30,12 +31,13 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1) fwd_kernel(con
   extern __shared__ __align__(128) char smem[];
 
   const AttnProblem& p = params.problem;
-  const TileCoord tile = Scheduler::get(/*longest_first=*/p.window_right >= 0);
+  const TileCoord tile = Scheduler::get(sched, /*longest_first=*/p.window_right >= 0);
+  if (tile.block < 0) return;  // past a packed batch's query blocks
   const int m_block = tile.block, head = tile.head;
   const SeqInfo seq(p, tile.batch);
-  if (m_block * kBlockM >= seq.seqlen_q) return;  // variable-length: past a shorter sequence
+  if (m_block * kBlockM >= seq.seqlen_q) return;  // past the sequence's rows
   const int head_kv = head / (p.nheads / p.nheads_kv);
-  const WindowMask mask(seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right);
+  const WindowMask mask(seq.seqlen_q, seq.mask_seqlen_k(), p.window_left, p.window_right);
   int n_min, n_max;
   mask.n_block_range<kBlockM, kBlockN>(m_block, n_min, n_max);
 

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "kernels/common/tile_scheduler.h"
+#include "kernels/common/varlen_tiles.h"
 #include "kernels/sm80/fwd_kernel.h"
 #include "kernels/sm80/fwd_traits.h"
 #include "kernels/sm80/launch.h"
@@ -17,8 +18,19 @@ Status run_fwd(const FwdParams& params, cudaStream_t stream) {
   constexpr auto kernel = fwd_kernel<FwdMainloop<Traits>, FwdEpilogue<Traits>, GridTileScheduler>;
   if (Status s = ensure_smem_limit<kernel>(Traits::kSmemBytes); !s.ok()) return s;
   const AttnProblem& p = params.problem;
-  const dim3 grid = GridTileScheduler::grid(ceil_div(p.seqlen_q, kTile.block_m), p.nheads, p.batch);
-  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(params);
+  // A packed batch: its query blocks are listed first (common/varlen_tiles.h), one block each.
+  GridTileScheduler::Params sched;
+  if (p.is_varlen()) {
+    sched.tiles = VarlenTiles::at_storage(params.workspace, p, kTile.block_m, /*keys=*/false);
+    VarlenTilesArgs args;
+    args.problem = p;
+    args.lists[0] = sched.tiles;
+    args.num_lists = 1;
+    if (Status s = cuda_status(launch_varlen_tiles(args, stream), "sm80 forward: packed batch tile list"); !s.ok())
+      return s;
+  }
+  const dim3 grid = GridTileScheduler::grid(sched, ceil_div(p.seqlen_q, kTile.block_m), p.nheads, p.batch);
+  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(params, sched);
   return cuda_status(cudaGetLastError(), "sm80 forward launch");
 }
 

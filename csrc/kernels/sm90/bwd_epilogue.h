@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "cutlass_flash/params.h"
+#include "kernels/common/tile_scheduler.h"
 #include "generated/bwd_workspace.h"
 #include "kernels/common/block_info.h"
 #include "kernels/common/convert.h"
@@ -73,7 +74,8 @@ struct BwdEpilogue {
 // instruction) this kernel took 152-195 us at 16k tokens x 2048 (H100), 2.5x FlashAttention-3's
 // postprocess, which stages the same way (PERFLOG 45).
 template <typename Traits>
-__global__ void __launch_bounds__(Traits::kNMmaThreads) bwd_convert_dq_kernel(const __grid_constant__ BwdParams params) {
+__global__ void __launch_bounds__(Traits::kNMmaThreads) bwd_convert_dq_kernel(const __grid_constant__ BwdParams params,
+                                                                                 const __grid_constant__ VarlenTiles rows) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim, kThreads = Traits::kNMmaThreads;
   // 16 bytes of padding per row: the accumulator layout's 8 rows per store instruction then fall
@@ -82,9 +84,11 @@ __global__ void __launch_bounds__(Traits::kNMmaThreads) bwd_convert_dq_kernel(co
   __shared__ alignas(16) Element smem[kBlockM * kPitch];
   const AttnProblem& p = params.problem;
   const BwdWorkspace ws = bwd_workspace_layout(p, params.deterministic, kFamilyArch);
-  const int tid = threadIdx.x, m_block = blockIdx.x, head = blockIdx.y;
-  const SeqInfo seq(p, blockIdx.z);
-  if (m_block * kBlockM >= seq.seqlen_q) return;  // variable-length: past a shorter sequence
+  const int tid = threadIdx.x, head = blockIdx.y;
+  int batch = blockIdx.z, m_block = blockIdx.x;
+  if (rows.count != nullptr && !rows.part(blockIdx.x, kBlockM, batch, m_block)) return;  // past a packed batch's rows
+  const SeqInfo seq(p, batch);
+  if (m_block * kBlockM >= seq.seqlen_q) return;  // past the sequence's rows
   const int64_t bh_row = seq.workspace_row(p, ws.rows_per_head, head);
   const float* tile = reinterpret_cast<const float*>(static_cast<const char*>(params.workspace) + ws.dq_accum_offset) +
                       (bh_row + int64_t(m_block) * kBlockM) * kHeadDim;

@@ -44,14 +44,15 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
   // at 8k keys the upward walk measured 0.42-0.52x of the default speed at d = 128 / 256 where the
   // downward walk with four dQ copies keeps 0.77-0.81x (PERFLOG.md entry 62).
   const bool upward = params.dq_semaphore != nullptr && p.window_right >= 0 && params.dq_groups == 1;
-  const TileCoord tile = Scheduler::get(/*longest_first=*/upward);
+  const TileCoord tile = Scheduler::get(params.scheduler, /*longest_first=*/upward);
+  if (tile.block < 0) return;  // past a packed batch's key blocks
   const int n_block = tile.block, head_kv = tile.head;
   // Built after each role's setmaxnreg: values live across it are spilled (forward, entry 16).
   // The mask is the sequence's (variable-length batches: per-sequence lengths, SeqInfo); a key
   // block past its sequence's keys has no steps.
   auto make_mask = [&] {
     const SeqInfo seq(p, tile.batch);
-    return WindowMask(seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right);
+    return WindowMask(seq.seqlen_q, seq.mask_seqlen_k(), p.window_left, p.window_right);
   };
   auto make_steps = [&](const WindowMask& mask) {
     const int group = p.nheads / p.nheads_kv;

@@ -8,6 +8,7 @@
 #include "kernels/common/bwd_preprocess.h"
 #include "kernels/common/launch_utils.h"
 #include "kernels/common/tile_scheduler.h"
+#include "kernels/common/varlen_tiles.h"
 #include "kernels/sm90/bwd_epilogue.h"
 #include "kernels/sm90/bwd_kernel.h"
 #include "kernels/sm90/bwd_mainloop_split_d.h"
@@ -74,18 +75,36 @@ Status run_bwd_mainloop(const BwdParams& params, cudaStream_t stream) {
   for (auto [ref, name] : {std::pair{&params.q, "q"}, {&params.k, "k"}, {&params.v, "v"}, {&params.dout, "dout"}})
     if (Status s = check_tma_ref<Element>(*ref, name, "backward"); !s.ok()) return s;
 
-  bwd_preprocess_kernel<kFamilyArch, kHeadDim, Element><<<BwdPreprocess::grid(params, kFamilyArch), BwdPreprocess::kWarps * 32, 0, stream>>>(params);
+  // A packed batch: its query rows (preprocess, dQ conversion) and key blocks (main kernel) are
+  // listed first, so that every grid covers the real tiles (common/varlen_tiles.h).
+  BwdKernelParams<Traits> kp = bwd_kernel_params<Traits>(params);
+  VarlenTiles rows;
+  if (p.is_varlen()) {
+    char* lists = static_cast<char*>(params.workspace) + bwd_workspace_layout(p, params.deterministic, kFamilyArch).total_bytes;
+    rows = VarlenTiles::at_storage(lists, p, kBwdRowAlign, /*keys=*/false);
+    kp.scheduler.tiles = VarlenTiles::at_storage(lists + bwd_varlen_q_bytes(p), p, Traits::kBlockN, /*keys=*/true);
+    VarlenTilesArgs args;
+    args.problem = p;
+    args.lists[0] = rows;
+    args.lists[1] = kp.scheduler.tiles;
+    args.num_lists = 2;
+    if (Status s = cuda_status(launch_varlen_tiles(args, stream), "sm90 backward: packed batch tile lists"); !s.ok())
+      return s;
+  }
+
+  bwd_preprocess_kernel<kFamilyArch, kHeadDim, Element>
+      <<<BwdPreprocess::grid(params, kFamilyArch, rows), BwdPreprocess::kWarps * 32, 0, stream>>>(params, rows);
   if (Status s = cuda_status(cudaGetLastError(), "sm90 backward preprocess launch"); !s.ok()) return s;
 
-  const BwdKernelParams<Traits> kp = bwd_kernel_params<Traits>(params);
   constexpr auto kernel = bwd_kernel<Mainloop, BwdEpilogue<Traits>, GridTileScheduler>;
   if (Status s = ensure_smem_limit<kernel>(Traits::kSmemBytes); !s.ok()) return s;
-  const dim3 grid = GridTileScheduler::grid(ceil_div(p.seqlen_k, Traits::kBlockN), p.nheads_kv, p.batch);
+  const dim3 grid = GridTileScheduler::grid(kp.scheduler, ceil_div(p.seqlen_k, Traits::kBlockN), p.nheads_kv, p.batch);
   kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(kp);
   if (Status s = cuda_status(cudaGetLastError(), "sm90 backward launch"); !s.ok()) return s;
 
-  const dim3 q_grid(ceil_div(p.seqlen_q, Traits::kBlockM), p.nheads, p.batch);
-  bwd_convert_dq_kernel<Traits><<<q_grid, Traits::kNMmaThreads, 0, stream>>>(params);
+  const dim3 q_grid = rows.count != nullptr ? dim3(unsigned(rows.capacity * (kBwdRowAlign / Traits::kBlockM)), p.nheads, 1)
+                                            : dim3(ceil_div(p.seqlen_q, Traits::kBlockM), p.nheads, p.batch);
+  bwd_convert_dq_kernel<Traits><<<q_grid, Traits::kNMmaThreads, 0, stream>>>(params, rows);
   return cuda_status(cudaGetLastError(), "sm90 backward dQ conversion launch");
 }
 

@@ -161,6 +161,36 @@ struct BwdMainloop {
     }
   }
 
+  // A packed sequence that ends inside the key block or inside query block m: the TMA unit clips
+  // rows only at the packed tensor's end, so the rows past the sequence are the next one's (or
+  // the padding's). Their scores are masked (keys) or meet LSE = +inf and D = 0 (queries), but
+  // a NaN or Inf there would still reach dQ, dK and dV through 0 x NaN in the GEMMs: every
+  // consumer thread zeroes a share of those rows of K and V (once, after they land) and of Q and
+  // dO (in the step of the sequence's last query block, before its GEMMs, where no other barrier
+  // of the step is pending), then all meet at kClearRows. Dense batches need none of it: the TMA
+  // unit fills rows past the tensor with zeros.
+  __device__ static void clear_kv_past(typename Traits::SharedStorage& shared, const WindowMask& mask, int n_block,
+                                       int tid) {
+    const int valid = mask.seqlen_k - n_block * kBlockN;
+    clear_smem_rows(make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKV{}), valid, tid,
+                    Traits::kNMmaThreads);
+    clear_smem_rows(make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutKV{}), valid, tid,
+                    Traits::kNMmaThreads);
+    cutlass::arch::NamedBarrier::sync(Traits::kNMmaThreads, int(BwdBarrier::kClearRows));
+  }
+  __device__ static void clear_rows_past(typename Traits::SharedStorage& shared, Pipeline& pipeline_q,
+                                         const PipelineState& st_q, Pipeline& pipeline_do, const PipelineState& st_do,
+                                         const WindowMask& mask, int m, int tid) {
+    const int valid = mask.seqlen_q - m * kBlockM;
+    pipeline_q.consumer_wait(st_q);
+    clear_smem_rows(make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQ{})(_, _, st_q.index()), valid,
+                    tid, Traits::kNMmaThreads);
+    pipeline_do.consumer_wait(st_do);
+    clear_smem_rows(make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutQ{})(_, _, st_do.index()),
+                    valid, tid, Traits::kNMmaThreads);
+    cutlass::arch::NamedBarrier::sync(Traits::kNMmaThreads, int(BwdBarrier::kClearRows));
+  }
+
   // The first row of this key block's dQ group's copy of query head h in the workspace
   // (BwdWorkspace::dq_group_row; the group is 0 unless deterministic).
   template <typename Params>
@@ -390,6 +420,8 @@ struct BwdMainloop {
 
     PipelineState st_q, st_do;
     shared.kv_full.wait(0);
+    const bool packed = params.problem.is_varlen();
+    if (packed && (n_block + 1) * kBlockN > mask.seqlen_k) clear_kv_past(shared, mask, n_block, tid);
     int i = 0;
 #pragma unroll 1
     for (int h = steps.head_begin; h < steps.head_begin + steps.heads; ++h) {
@@ -398,6 +430,8 @@ struct BwdMainloop {
       const float alibi_slope = head_slope(alibi);
 #pragma unroll 1
       for (int m = steps.first(), end = steps.end(); m != end; m += steps.step, ++i) {
+        if (packed && (m + 1) * kBlockM > mask.seqlen_q)
+          clear_rows_past(shared, pipeline_q, st_q, pipeline_do, st_do, mask, m, tid);
         const int buf = i % Traits::kdSBuffers;
         Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
         Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});

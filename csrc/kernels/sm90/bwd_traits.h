@@ -22,6 +22,7 @@
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
 #include "cutlass_flash/params.h"
+#include "kernels/common/tile_scheduler.h"
 #include "kernels/sm90/utils.h"
 
 namespace cutlass_flash::sm90 {
@@ -342,6 +343,7 @@ enum class BwdBarrier : int {
   kdQAdded = 2,  // split-d layouts, deterministic: the consumers have issued their dQ reductions
   kEpilogue = 3,     // split-d layouts: every warpgroup's dK/dV staging in V's tile
   kEpilogueWG1 = 4,  // + warpgroup index, keys-per-warpgroup layout: one warpgroup's staging
+  kClearRows = 6,    // every consumer: a packed sequence's rows past its end zeroed (clear_kv_past)
 };
 
 // Kernel parameters: the library's plain BwdParams plus the TMA descriptors built from them.
@@ -356,6 +358,7 @@ struct BwdKernelParams {
   int64_t rows_per_head;  // BwdWorkspace::rows_per_head
   int64_t dq_group_rows;  // BwdWorkspace::rows: the row offset between dQ groups' copies
   int dq_groups;          // BwdWorkspace::dq_groups (1 unless deterministic)
+  GridTileScheduler::Params scheduler;  // a packed batch's key blocks
   typename Traits::TmaQ tma_q;
   typename Traits::TmaQ tma_do;
   typename Traits::TmaKV tma_k;

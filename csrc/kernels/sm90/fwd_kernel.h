@@ -40,7 +40,7 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
   // per-sequence lengths, SeqInfo).
   auto tile_mask = [&](const TileCoord& tile) {
     const SeqInfo seq(p, tile.batch);
-    return WindowMask(seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right);
+    return WindowMask(seq.seqlen_q, seq.mask_seqlen_k(), p.window_left, p.window_right);
   };
 
   if (threadIdx.x == 0) {
@@ -72,14 +72,9 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
         if (w.n_min < w.n_max) Mainloop::load_kv(params, shared, pipeline_k, pipeline_v, state, w.coord, w.n_min, w.n_max);
       }
     } else if (threadIdx.x == 32) {  // tile thread
-      const PersistentTileScheduler order = Scheduler::order(params.scheduler, p);
-      auto has_rows = [&](const TileCoord& tile) { return tile.block * kBlockM < SeqInfo(p, tile.batch).seqlen_q; };
+      const auto order = Scheduler::order(params.scheduler, p);
       const TileWork end{{-1, 0, 0}, 0, 0};
       for (int i = 0, t = Scheduler::first();; ++i, t = Scheduler::next(params.scheduler)) {
-        // Variable-length batches: the grid has max_seqlen_q's query tiles for every sequence, so
-        // a short sequence's later tiles hold no rows. Claim the next tile instead of handing such
-        // one to the K/V thread and the consumers (a round trip through q_full / q_empty each).
-        while (p.is_varlen() && t < order.num_tiles && !has_rows(order.coord(t))) t = Scheduler::next(params.scheduler);
         TileWork w = end;
         if (t < order.num_tiles) {
           w.coord = order.coord(t);
@@ -110,7 +105,8 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
       // for it cost the d = 256 kernel 8 B of spills around the call (PERFLOG 65).
       if (n_min < n_max)
         Mainloop::mma(shared, pipeline_k, pipeline_v, state, ping_pong, mask, Softcap(p), Alibi(p, tile.batch, tile.head),
-                      Dropout(p, tile.batch, tile.head), tile.block, n_min, n_max, wg, tid, acc_o, softmax);
+                      Dropout(p, tile.batch, tile.head), tile.block, n_min, n_max, p.is_varlen(), wg, tid, acc_o,
+                      softmax);
       else
         Mainloop::release_q(shared);
       Tensor lse = make_tensor<float>(Shape<Int<decltype(size<0>(acc_o_rc))::value>>{});

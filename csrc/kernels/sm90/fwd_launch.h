@@ -67,7 +67,9 @@ Status run_fwd_traits(const FwdParams& params, cudaStream_t stream, int tile_gro
   FwdKernelParams<Traits> kp = fwd_kernel_params<Traits>(params);
 
   int grid = 0;
-  if (Status s = DynamicTileScheduler::launch_grid(p, params.workspace, tile_group, stream, kp.scheduler, grid); !s.ok())
+  if (Status s = DynamicTileScheduler::launch_grid(p, params.workspace, tile_group, Traits::kBlockM, stream,
+                                                   kp.scheduler, grid);
+      !s.ok())
     return s;
   constexpr auto kernel = fwd_kernel<FwdMainloop<Traits, Features>, FwdEpilogue<Traits>, DynamicTileScheduler>;
   if (Status s = ensure_smem_limit<kernel>(Traits::kSmemBytes); !s.ok()) return s;

@@ -177,6 +177,21 @@ struct FwdMainloop {
     if constexpr (!Traits::kOAliasesQ) shared.q_empty.arrive();
   }
 
+  // A packed sequence whose keys end inside its last key block (n_max - 1): the TMA unit clips
+  // rows only at the packed tensor's end, so that block's K and V hold the next sequence's first
+  // rows. K's need nothing (their scores are replaced by -inf, not multiplied), but P = 0 times a
+  // NaN or Inf in V is NaN: the consumers zero those V rows in shared memory before any of them
+  // multiplies the block (its stage is the first V of the tile), each thread a share of the 16-byte
+  // chunks, then meet at a barrier outside the ping-pong turns. Dense batches need none of it: the
+  // TMA unit fills rows past seqlen_k with zeros.
+  __device__ __forceinline__ static void clear_v_past_keys(typename Traits::SharedStorage& shared, PipelineKV& pipeline_v,
+                                                           const ConsumerState& st, int valid_rows, int wg, int tid) {
+    pipeline_v.consumer_wait(st.v);
+    Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutV{});
+    clear_smem_rows(sV(_, _, st.v.index()), valid_rows, wg * 128 + tid, Traits::kNMmaThreads);
+    cutlass::arch::NamedBarrier::sync(Traits::kNMmaThreads, int(FwdBarrier::kVClip));
+  }
+
   // Computes the unnormalised O (acc_o) of warpgroup `wg`'s 64 rows of the tile and their
   // softmax statistics. `tid` is the thread's index in its warpgroup. P goes from the softmax's
   // registers straight into the P V GEMM (RS wgmma).
@@ -186,7 +201,7 @@ struct FwdMainloop {
                                              const WarpScheduler<Traits::kNMmaWarpGroups>& scheduler,
                                              const WindowMask& mask, const Softcap& softcap, const Alibi& alibi,
                                              const Dropout& dropout, int m_block,
-                                             int n_min, int n_max, int wg, int tid, AccO& acc_o,
+                                             int n_min, int n_max, bool packed, int wg, int tid, AccO& acc_o,
                                              Softmax& softmax) {
     typename Traits::TiledMmaQK mma_qk;
     typename Traits::TiledMmaPV mma_pv;
@@ -238,6 +253,8 @@ struct FwdMainloop {
     // of the diagonal at d = 64; 128 rows span 1.6 at d = 256) are not multiplied: their K and V
     // stages are waited for and released, and their ping-pong turns passed, so the pipelines and
     // the turn order stay in step with the other warpgroups.
+    if (packed && n_max * kBlockN > mask.seqlen_k)
+      clear_v_past_keys(shared, pipeline_v, st, mask.seqlen_k - (n_max - 1) * kBlockN, wg, tid);
     const int wg_rows_end = min(row_offset + 64, mask.seqlen_q);
     const int n_top = max(n_min + 1, min(n_max, mask.n_block_end<kBlockN>(row_offset, wg_rows_end)));
     for (int n = n_max - 1; n >= n_top; --n) {

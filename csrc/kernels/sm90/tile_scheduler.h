@@ -5,7 +5,8 @@
 // claims the next ones from a global counter as it finishes tiles (`first`, `next`), which keeps
 // the causal longest-first order balanced whatever the tile lengths; a static stride made the
 // rate depend on how lengths fell onto blocks (PERFLOG.md, entry 18). Tile indices map to
-// (query block, head, batch) in PersistentTileScheduler's order (common/tile_scheduler.h).
+// (query block, head, batch) in PersistentTileScheduler's order (common/tile_scheduler.h), or,
+// for a packed batch, over the real tiles that varlen_tiles_kernel lists (FwdTileOrder).
 //
 // Inside a block, the producer warpgroup's tile thread claims and decodes each tile one ahead of
 // the consumers and
@@ -24,6 +25,7 @@
 #include "cutlass_flash/params.h"
 #include "kernels/common/launch_utils.h"
 #include "kernels/common/tile_scheduler.h"
+#include "kernels/common/varlen_tiles.h"
 
 namespace cutlass_flash::sm90 {
 
@@ -33,11 +35,32 @@ struct TileWork {
   int n_min, n_max;
 };
 
+// The persistent forward's tile order, dense or packed. A packed batch's tiles are its list's
+// (sequence, query block) tiles times the heads: without a causal mask heads outer and the list
+// inner (a sequence's query blocks in flight together share its K and V, as the dense order's);
+// with one, in groups of `group` heads, the list reversed (each sequence's longest query blocks
+// first) with the group's heads inner, as the dense causal order within a (head, batch) group.
+struct FwdTileOrder {
+  PersistentTileScheduler dense;
+  VarlenTiles list;  // packed batches: list.count != nullptr
+  int rows;          // list.size()
+  int num_tiles;
+
+  __device__ TileCoord coord(int t) const {
+    if (list.count == nullptr) return dense.coord(t);
+    if (!dense.longest_first) return list.at(t % rows, t / rows);
+    const int first = t / (dense.group * rows) * dense.group;
+    const int size = min(dense.group, dense.nheads - first), local = t - first * rows;
+    return list.at(rows - 1 - local / size, first + local % size);
+  }
+};
+
 struct DynamicTileScheduler {
   struct Params {
     int num_m_blocks;  // query blocks per (head, batch)
     int group;         // PersistentTileScheduler::group (causal)
     int* counter;      // tiles claimed after each block's first, zeroed before each launch
+    VarlenTiles tiles; // packed batches: the query blocks (tiles.count == nullptr when dense)
   };
 
   struct SharedStorage {
@@ -49,10 +72,26 @@ struct DynamicTileScheduler {
   // Host: fills `sp` (num_m_blocks already set) and `grid` for problem `p`, and zeroes the counter
   // (a caller-owned int, FwdParams::workspace) on `stream`. group > 0 replaces the causal group
   // size (benchmarks/tune_sm90.cu).
-  static Status launch_grid(const AttnProblem& p, void* workspace, int group, cudaStream_t stream, Params& sp,
-                            int& grid) {
+  // A packed batch: the list of its query blocks is built on the stream first (kBlockM rows a
+  // tile; workspace: varlen_workspace.h), and its header holds the counter.
+  static Status launch_grid(const AttnProblem& p, void* workspace, int group, int block_m, cudaStream_t stream,
+                            Params& sp, int& grid) {
     int num_sms = 0;
     if (Status s = multiprocessor_count(num_sms); !s.ok()) return s;
+    if (p.is_varlen()) {
+      sp.tiles = VarlenTiles::at_storage(workspace, p, block_m, /*keys=*/false);
+      if (int64_t(sp.tiles.capacity) * p.nheads >= INT_MAX)
+        return {Status::kInvalidArgument, "sm90 forward: more than 2^31 tiles in the packed batch"};
+      grid = PersistentTileScheduler::grid_size(sp.tiles.capacity * p.nheads, num_sms);
+      sp.group = group > 0 ? std::min(group, p.nheads) : PersistentTileScheduler::group_size(p.nheads);
+      sp.counter = sp.tiles.count + 1;
+      VarlenTilesArgs args;
+      args.problem = p;
+      args.lists[0] = sp.tiles;
+      args.num_lists = 1;
+      return cuda_status(launch_varlen_tiles(args, stream), "sm90 forward: packed batch tile list");
+    }
+    sp.tiles = VarlenTiles{};
     grid = PersistentTileScheduler::grid_size(sp.num_m_blocks * p.nheads * p.batch, num_sms);
     sp.group = group > 0 ? std::min(group, p.nheads * p.batch) : PersistentTileScheduler::group_size(p.nheads * p.batch);
     sp.counter = static_cast<int*>(workspace);
@@ -60,8 +99,16 @@ struct DynamicTileScheduler {
   }
 
   // The tile order; a causal mask (a right window bound) takes the longest tiles first.
-  __device__ static PersistentTileScheduler order(const Params& sp, const AttnProblem& p) {
-    return PersistentTileScheduler(sp.num_m_blocks, p.nheads, p.batch, /*longest_first=*/p.window_right >= 0, sp.group);
+  __device__ static FwdTileOrder order(const Params& sp, const AttnProblem& p) {
+    FwdTileOrder o{PersistentTileScheduler(sp.num_m_blocks, p.nheads, p.batch, /*longest_first=*/p.window_right >= 0,
+                                           sp.group),
+                   sp.tiles, 0, 0};
+    o.num_tiles = o.dense.num_tiles;
+    if (sp.tiles.count != nullptr) {
+      o.rows = sp.tiles.size();
+      o.num_tiles = o.rows * p.nheads;
+    }
+    return o;
   }
 
   __device__ static void init(SharedStorage& shared) {

@@ -205,4 +205,19 @@ __device__ __forceinline__ auto sequence_rows(const Tma& tma, const AttnProblem&
   return domain_offset(make_coord(kQuery ? seq.q_start : seq.k_start, _0{}), m(_, _, head, varlen ? 0 : seq.batch));
 }
 
+// Zeroes rows [first_row, kRows) of a (kRows, kCols) K-major tile in shared memory (wgmma's
+// layouts keep 8 consecutive columns in 16 contiguous bytes), in 16-byte stores shared by
+// `threads` threads (this one: `t`), and orders them before wgmma's reads (fence.proxy.async); the
+// caller syncs the threads before any of them multiplies the tile. A packed sequence's block that
+// runs past its rows holds the next sequence's: its scores are masked, but 0 x NaN = NaN in the
+// GEMMs that read those rows.
+template <typename TensorS>
+__device__ __forceinline__ void clear_smem_rows(TensorS&& s, int first_row, int t, int threads) {
+  constexpr int kRows = decltype(size<0>(s))::value, kChunks = decltype(size<1>(s))::value / 8;
+#pragma unroll 1
+  for (int i = t; i < (kRows - first_row) * kChunks; i += threads)
+    *reinterpret_cast<uint4*>(&s(first_row + i / kChunks, i % kChunks * 8)) = make_uint4(0, 0, 0, 0);
+  cutlass::arch::fence_view_async_shared();
+}
+
 }  // namespace cutlass_flash::sm90
