@@ -28,8 +28,7 @@ constexpr size_t kFwdWorkspaceAlign = 16;
 struct BwdWorkspace {
   int64_t seqlen_q_rounded;  // seqlen_q (the longest sequence's) rounded up: query rows per grid
   // Rows per (batch, head) when dense (seqlen_q_rounded); when variable-length, rows per head:
-  // total_q rounded up, plus kBwdRowAlign per sequence and the padding after the last one
-  // (SeqInfo::workspace_row).
+  // total_q rounded up, plus kBwdRowAlign per sequence (SeqInfo::workspace_row).
   int64_t rows_per_head;
   int64_t rows;              // rows of one copy
   int dq_groups;             // copies of dq_accum and dq_semaphore: bwd_dq_groups
@@ -61,7 +60,7 @@ CUTLASS_FLASH_HOST_DEVICE inline BwdWorkspace bwd_workspace_layout(const AttnPro
   w.seqlen_q_rounded = (int64_t(p.seqlen_q) + kBwdRowAlign - 1) / kBwdRowAlign * kBwdRowAlign;
   if (p.is_varlen()) {
     w.rows_per_head = (int64_t(p.total_q) + kBwdRowAlign - 1) / kBwdRowAlign * kBwdRowAlign +
-                      int64_t(p.batch + 1) * kBwdRowAlign;
+                      int64_t(p.batch) * kBwdRowAlign;
     w.rows = int64_t(p.nheads) * w.rows_per_head;
   } else {
     w.rows_per_head = w.seqlen_q_rounded;

@@ -15,31 +15,20 @@ struct SeqInfo {
   int batch;
   int q_start = 0, k_start = 0;  // first row of the sequence in the packed tensors (varlen)
   int seqlen_q, seqlen_k;
-  // Variable-length, b == batch: the rows after the last sequence (padding of a static buffer),
-  // a sequence that sees no key (its out 0, lse +inf) and that no query sees (dk, dv 0), so that
-  // every row of the outputs is written (common/varlen_tiles.h lists its tiles).
-  bool padding = false;
 
   // Variable-length: the offsets clamped to [0, total] and each length to the problem's maximum,
   // so that no cu_seqlens content takes an access past a tensor (AttnProblem).
   __host__ __device__ SeqInfo(const AttnProblem& p, int b)
       : batch(b), seqlen_q(p.seqlen_q), seqlen_k(p.seqlen_k) {
     if (p.is_varlen()) {
-      padding = b == p.batch;
       q_start = clamp_offset(p.cu_seqlens_q[b], p.total_q);
       k_start = clamp_offset(p.cu_seqlens_k[b], p.total_k);
-      if (padding) {
-        seqlen_q = p.total_q - q_start;
-        seqlen_k = p.total_k - k_start;
-      } else {
-        seqlen_q = max(min(clamp_offset(p.cu_seqlens_q[b + 1], p.total_q) - q_start, p.seqlen_q), 0);
-        seqlen_k = max(min(clamp_offset(p.cu_seqlens_k[b + 1], p.total_k) - k_start, p.seqlen_k), 0);
-      }
+      seqlen_q = min(clamp_offset(p.cu_seqlens_q[b + 1], p.total_q) - q_start, p.seqlen_q);
+      seqlen_k = min(clamp_offset(p.cu_seqlens_k[b + 1], p.total_k) - k_start, p.seqlen_k);
+      seqlen_q = max(seqlen_q, 0);
+      seqlen_k = max(seqlen_k, 0);
     }
   }
-
-  // The lengths the sequence's attention mask takes: the padding rows see no key.
-  __host__ __device__ int mask_seqlen_k() const { return padding ? 0 : seqlen_k; }
 
   // Row 0 of (this sequence, head) in a query-side tensor (q, o, dout, dq) ...
   template <typename Element>

@@ -47,8 +47,7 @@ __global__ void __launch_bounds__(BwdPreprocess::kWarps * 32)
   const SeqInfo seq(p, batch);
   // Every row the main kernels read: the sequence's rows rounded up to whole query tiles.
   if (block * kRows >= (seq.seqlen_q + kBwdRowAlign - 1) / kBwdRowAlign * kBwdRowAlign) return;
-  // The padding after a packed batch's last sequence: no query of it is read (D = 0, LSE = +inf).
-  const int seqlen_q = seq.padding ? 0 : seq.seqlen_q;
+  const int seqlen_q = seq.seqlen_q;
   const int64_t bh_row = seq.workspace_row(p, ws.rows_per_head, head);
   char* workspace = static_cast<char*>(params.workspace);
   float* dq_accum = reinterpret_cast<float*>(workspace + ws.dq_accum_offset);

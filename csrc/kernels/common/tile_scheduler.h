@@ -17,9 +17,8 @@ struct TileCoord {
 };
 
 // The (sequence, block) tiles of one side of a packed batch (query rows or key rows) at one block
-// size, in sequence order with blocks ascending, then the padding rows after the last sequence
-// (SeqInfo, index batch); built on the GPU by varlen_tiles_kernel (common/varlen_tiles.h) into
-// the workspace (common/varlen_workspace.h).
+// size, in sequence order with blocks ascending; built on the GPU by varlen_tiles_kernel
+// (common/varlen_tiles.h) into the workspace (common/varlen_workspace.h).
 struct VarlenTiles {
   int2* tiles = nullptr;  // {sequence, block}
   int* count = nullptr;   // tiles written (at most capacity); count[1]: the forward's tile counter
@@ -71,19 +70,26 @@ struct VarlenTiles {
 // blocks past the list's size get block = -1 and end. Within a (sequence, head) blocks still
 // start in the order of their block index, which the deterministic dQ protocol relies on
 // (common/dq_semaphore.h).
-struct GridTileScheduler {
+//
+// kPackable = false compiles the packed path out (DenseGridTileScheduler): the sm80 backward at
+// 255 registers spilled 48-64 B at d = 64 with it (0 B without), so its dense calls run a kernel
+// without it.
+template <bool kPackable>
+struct GridTileSchedulerT {
   struct Params {
     VarlenTiles tiles;  // packed batches (tiles.count != nullptr)
   };
 
+  static bool packed(const Params& sp) { return kPackable && sp.tiles.count != nullptr; }
+
   static dim3 grid(const Params& sp, int num_blocks, int nheads, int batch) {
-    if (sp.tiles.count != nullptr) return dim3(unsigned(sp.tiles.capacity), nheads, 1);
+    if (packed(sp)) return dim3(unsigned(sp.tiles.capacity), nheads, 1);
     return dim3(num_blocks, nheads, batch);
   }
 
 #if defined(__CUDACC__)
   __device__ static TileCoord get(const Params& sp, bool longest_first) {
-    if (sp.tiles.count != nullptr) {
+    if (kPackable && sp.tiles.count != nullptr) {
       const int n = sp.tiles.size(), x = int(blockIdx.x);
       if (x >= n) return {-1, int(blockIdx.y), 0};
       return sp.tiles.at(longest_first ? n - 1 - x : x, int(blockIdx.y));
@@ -100,14 +106,21 @@ struct GridTileScheduler {
     asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(x));
     asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(y));
     asm volatile("mov.u32 %0, %%ctaid.z;" : "=r"(z));
-    if (sp.tiles.count != nullptr) {
-      const int n = sp.tiles.size();
-      return sp.tiles.at(longest_first ? n - 1 - x : x, y);
+    if (kPackable && sp.tiles.count != nullptr) {
+      // Volatile too: plain loads would be hoisted out of the caller's loop.
+      int n, t0, t1;
+      asm volatile("ld.global.nc.b32 %0, [%1];" : "=r"(n) : "l"(sp.tiles.count));
+      asm volatile("ld.global.nc.v2.b32 {%0, %1}, [%2];"
+                   : "=r"(t0), "=r"(t1)
+                   : "l"(sp.tiles.tiles + (longest_first ? n - 1 - x : x)));
+      return {t1, y, t0};
     }
     return {longest_first ? int(gridDim.x) - 1 - x : x, y, z};
   }
 #endif
 };
+using GridTileScheduler = GridTileSchedulerT</*kPackable=*/true>;
+using DenseGridTileScheduler = GridTileSchedulerT</*kPackable=*/false>;
 
 // The tile order of a persistent grid (one block per SM): tile index -> (query block, head,
 // batch). Blocks take indices in increasing order as they finish tiles (the sm90 kernel hands

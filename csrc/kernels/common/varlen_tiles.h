@@ -3,12 +3,11 @@
 // A grid sized by the longest sequence gives every sequence max_seqlen's tiles: with one 32k
 // document and 2000 of 64 tokens, 99.6% of the forward's (sequence, head, block) tiles were empty,
 // and skipping them still cost a claim or a block launch each (the packed forward ran at 0.17x
-// FlashAttention-3's). Instead a one-block kernel (`varlen_tiles_kernel`) scans cu_seqlens once
-// per call and writes the real (sequence, block) tiles of one side (query rows or key rows) at one
-// block size into the workspace: in sequence order, blocks ascending, then the padding rows after
-// the last sequence as a sequence of their own (index batch, SeqInfo), so that their outputs are
-// written too. No host synchronisation: the host sizes the list by a bound (`capacity`), and
-// grids launched with that bound end the blocks past the list's count.
+// FlashAttention-3's). Instead one block of `varlen_tiles_kernel` scans cu_seqlens once per call
+// and writes the real (sequence, block) tiles of one side (query rows or key rows) at one block
+// size into the workspace, in sequence order with blocks ascending. No host synchronisation: the
+// host sizes the list by a bound (`capacity`), and grids launched with that bound end the blocks
+// past the list's count.
 //
 // Every kernel reads a tile through VarlenTiles::at (common/tile_scheduler.h): one load, where a
 // search over the sequences' prefix sums would cost a dependent load per level.
@@ -27,23 +26,38 @@
 
 namespace cutlass_flash {
 
-// The arguments of one varlen_tiles_kernel launch: up to two lists (a backward needs the query
-// rows' and the key blocks'); each list's header is zeroed (the forward's tile counter with it).
+// One launch prepares a packed batch's call: block 0 builds up to two tile lists (a backward needs
+// the query rows' and the key blocks'; each list's header is zeroed, the forward's tile counter
+// with it), and the other blocks write the rows after the last sequence (cu_seqlens[batch] to the
+// tensor's end: the padding of a static buffer, which no tile covers) of up to three 16-bit
+// outputs as zeros and of the LSE as +inf, as the dense op gives rows that see no key.
 struct VarlenTilesArgs {
-  static constexpr int kMaxLists = 2;
+  static constexpr int kMaxLists = 2, kMaxClears = 3;
+  // A (rows, heads, head_dim) output of 16-bit elements whose padding rows are zeroed.
+  struct Clear {
+    void* ptr;
+    int64_t row_stride, head_stride;  // elements
+    int heads;
+    bool keys;  // rows of the key side (dk, dv), else of the query side (out, dq)
+  };
   AttnProblem problem;
   VarlenTiles lists[kMaxLists];
   int num_lists = 0;
+  Clear clears[kMaxClears];
+  int num_clears = 0;
+  float* lse = nullptr;  // (nheads, total_q), or null
 };
 
-// One block: per list, the sequences' tile counts in chunks of kThreads, an exclusive scan over
-// each chunk carried across chunks, and each warp writing its 32 sequences' tiles with all lanes
-// (a long sequence's tiles written by one thread took ~2048 dependent stores at 128k tokens).
-// (A template, so that every translation unit that includes it may define it.)
 constexpr int kVarlenTilesThreads = 1024;
+// Blocks that write the padding rows (grid-stride): 1-2 waves of stores, and only a block's start
+// when there is none.
+constexpr int kVarlenClearBlocks = 64;
 
+// Block 0: per list, the sequences' tile counts in chunks of kThreads, an exclusive scan over each
+// chunk carried across chunks, and each warp writing its 32 sequences' tiles with all lanes (a
+// long sequence's tiles written by one thread took ~2048 dependent stores at 128k tokens).
 template <int kThreads>
-__global__ void __launch_bounds__(kThreads) varlen_tiles_kernel(const __grid_constant__ VarlenTilesArgs args) {
+__device__ void build_tile_lists(const VarlenTilesArgs& args) {
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
   const AttnProblem& p = args.problem;
@@ -51,10 +65,10 @@ __global__ void __launch_bounds__(kThreads) varlen_tiles_kernel(const __grid_con
   for (int l = 0; l < args.num_lists; ++l) {
     const VarlenTiles& list = args.lists[l];
     int carry = 0;  // tiles of the earlier chunks, at most list.capacity
-    for (int base = 0; base <= p.batch; base += kThreads) {
+    for (int base = 0; base < p.batch; base += kThreads) {
       const int b = base + tid;
       int n = 0;
-      if (b <= p.batch) {
+      if (b < p.batch) {
         const SeqInfo seq(p, b);
         n = ((list.keys ? seq.seqlen_k : seq.seqlen_q) + list.block - 1) / list.block;
       }
@@ -77,9 +91,48 @@ __global__ void __launch_bounds__(kThreads) varlen_tiles_kernel(const __grid_con
   }
 }
 
-// Host: launches the kernel for `args` on `stream` (capacities checked against int32 indices).
+// Blocks 1..: the padding rows, 16 bytes a store, block-strided over (output, row, head, chunk).
+__device__ inline void clear_padding_rows(const VarlenTilesArgs& args, int head_dim) {
+  const AttnProblem& p = args.problem;
+  const int q_first = min(max(p.cu_seqlens_q[p.batch], 0), p.total_q);
+  const int k_first = min(max(p.cu_seqlens_k[p.batch], 0), p.total_k);
+  const int64_t stride = int64_t(gridDim.x - 1) * blockDim.x, start = int64_t(blockIdx.x - 1) * blockDim.x + threadIdx.x;
+  const int chunks = head_dim / 8;
+  for (int c = 0; c < args.num_clears; ++c) {
+    const VarlenTilesArgs::Clear& t = args.clears[c];
+    const int first = t.keys ? k_first : q_first, rows = (t.keys ? p.total_k : p.total_q) - first;
+    const int64_t n = int64_t(rows) * t.heads * chunks;
+    for (int64_t i = start; i < n; i += stride) {
+      const int64_t row = i / (int64_t(t.heads) * chunks), rest = i % (int64_t(t.heads) * chunks);
+      const int64_t offset = (first + row) * t.row_stride + rest / chunks * t.head_stride + rest % chunks * 8;
+      *reinterpret_cast<uint4*>(static_cast<uint16_t*>(t.ptr) + offset) = make_uint4(0, 0, 0, 0);
+    }
+  }
+  if (args.lse != nullptr) {
+    const int rows = p.total_q - q_first;
+    for (int64_t i = start; i < int64_t(rows) * p.nheads; i += stride)
+      args.lse[i / rows * p.total_q + q_first + i % rows] = INFINITY;
+  }
+}
+
+// (A template, so that every translation unit that includes it may define it.)
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads) varlen_tiles_kernel(const __grid_constant__ VarlenTilesArgs args) {
+  if (blockIdx.x == 0)
+    build_tile_lists<kThreads>(args);
+  else
+    clear_padding_rows(args, args.problem.head_dim);
+}
+
+// Host: `t`'s padding rows to be zeroed by the launch of `args`.
+inline void add_padding_clear(VarlenTilesArgs& args, const TensorRef4& t, int heads, bool keys) {
+  args.clears[args.num_clears++] = {t.ptr, t.row_stride, t.head_stride, heads, keys};
+}
+
+// Host: launches the kernel for `args` on `stream`.
 inline cudaError_t launch_varlen_tiles(const VarlenTilesArgs& args, cudaStream_t stream) {
-  varlen_tiles_kernel<kVarlenTilesThreads><<<1, kVarlenTilesThreads, 0, stream>>>(args);
+  const int blocks = 1 + (args.num_clears > 0 || args.lse != nullptr ? kVarlenClearBlocks : 0);
+  varlen_tiles_kernel<kVarlenTilesThreads><<<blocks, kVarlenTilesThreads, 0, stream>>>(args);
   return cudaGetLastError();
 }
 

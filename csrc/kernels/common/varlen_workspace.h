@@ -18,12 +18,11 @@ namespace cutlass_flash {
 constexpr int kVarlenMinBlock = 16;
 constexpr size_t kVarlenListHeaderBytes = 16;
 
-// Tiles of at most `block` rows over sequences of `total` rows in all, the padding after the last
-// one included: sum of ceil(len_b / block) <= (total + (batch + 1) * (block - 1)) / block when
-// cu_seqlens is monotone. Other content is cut at this bound (wrong numbers, never an access
+// Tiles of at most `block` rows over sequences of `total` rows in all: sum of ceil(len_b / block)
+// <= (total + batch * (block - 1)) / block when cu_seqlens is monotone. Other content is cut at this bound (wrong numbers, never an access
 // outside the list).
 CUTLASS_FLASH_HOST_DEVICE inline int64_t varlen_tile_capacity(int total, int batch, int block) {
-  return (int64_t(total) + int64_t(batch + 1) * (block - 1)) / block;
+  return (int64_t(total) + int64_t(batch) * (block - 1)) / block;
 }
 
 CUTLASS_FLASH_HOST_DEVICE inline size_t varlen_list_bytes(int total, int batch, int block) {

@@ -84,10 +84,9 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
   const SeqInfo seq(p, tile.batch);
   if (n_block * kBlockN >= seq.seqlen_k) return;  // past the sequence's keys
   const int group = p.nheads / p.nheads_kv;
-  const WindowMask mask(seq.seqlen_q, seq.mask_seqlen_k(), p.window_left, p.window_right);
+  const WindowMask mask(seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right);
   int m_min, m_max;
   mask.m_block_range<kBlockM, kBlockN>(n_block, m_min, m_max);
-  if (seq.padding) m_max = m_min;  // keys after a packed batch's last sequence: dK = dV = 0
 
   auto rows_tensor = [](Element* ptr, int rows, int64_t row_stride) {
     return make_tensor(make_gmem_ptr(ptr), make_shape(rows, Int<kHeadDim>{}), make_stride(row_stride, _1{}));

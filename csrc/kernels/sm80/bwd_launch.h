@@ -32,6 +32,9 @@ Status run_bwd(const BwdParams& params, cudaStream_t stream) {
     args.lists[0] = rows;
     args.lists[1] = sched.tiles;
     args.num_lists = 2;
+    add_padding_clear(args, params.dq, p.nheads, /*keys=*/false);
+    add_padding_clear(args, params.dk, p.nheads_kv, /*keys=*/true);
+    add_padding_clear(args, params.dv, p.nheads_kv, /*keys=*/true);
     if (Status s = cuda_status(launch_varlen_tiles(args, stream), "sm80 backward: packed batch tile lists"); !s.ok())
       return s;
   }
@@ -39,10 +42,18 @@ Status run_bwd(const BwdParams& params, cudaStream_t stream) {
       <<<BwdPreprocess::grid(params, kFamilyArch, rows), BwdPreprocess::kWarps * 32, 0, stream>>>(params, rows);
   if (Status s = cuda_status(cudaGetLastError(), "sm80 backward preprocess launch"); !s.ok()) return s;
 
-  constexpr auto kernel = bwd_kernel<BwdMainloop<Traits>, BwdEpilogue<Traits>, GridTileScheduler>;
-  if (Status s = ensure_smem_limit<kernel>(Traits::kSmemBytes); !s.ok()) return s;
-  const dim3 grid = GridTileScheduler::grid(sched, ceil_div(p.seqlen_k, kTile.block_n), p.nheads_kv, p.batch);
-  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(params, sched);
+  // Dense calls run a kernel without the packed path (DenseGridTileScheduler: register spills).
+  if (p.is_varlen()) {
+    constexpr auto kernel = bwd_kernel<BwdMainloop<Traits>, BwdEpilogue<Traits>, GridTileScheduler>;
+    if (Status s = ensure_smem_limit<kernel>(Traits::kSmemBytes); !s.ok()) return s;
+    kernel<<<GridTileScheduler::grid(sched, 0, p.nheads_kv, 1), Traits::kNThreads, Traits::kSmemBytes, stream>>>(
+        params, sched);
+  } else {
+    constexpr auto kernel = bwd_kernel<BwdMainloop<Traits>, BwdEpilogue<Traits>, DenseGridTileScheduler>;
+    if (Status s = ensure_smem_limit<kernel>(Traits::kSmemBytes); !s.ok()) return s;
+    const dim3 grid = DenseGridTileScheduler::grid({}, ceil_div(p.seqlen_k, kTile.block_n), p.nheads_kv, p.batch);
+    kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(params, {});
+  }
   if (Status s = cuda_status(cudaGetLastError(), "sm80 backward launch"); !s.ok()) return s;
 
   static_assert(kBwdRowAlign % kTile.block_m == 0, "dQ conversion blocks split the packed row tiles");

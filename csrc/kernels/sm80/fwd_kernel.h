@@ -37,7 +37,7 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
   const SeqInfo seq(p, tile.batch);
   if (m_block * kBlockM >= seq.seqlen_q) return;  // past the sequence's rows
   const int head_kv = head / (p.nheads / p.nheads_kv);
-  const WindowMask mask(seq.seqlen_q, seq.mask_seqlen_k(), p.window_left, p.window_right);
+  const WindowMask mask(seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right);
   int n_min, n_max;
   mask.n_block_range<kBlockM, kBlockN>(m_block, n_min, n_max);
 

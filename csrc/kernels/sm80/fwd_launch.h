@@ -26,6 +26,8 @@ Status run_fwd(const FwdParams& params, cudaStream_t stream) {
     args.problem = p;
     args.lists[0] = sched.tiles;
     args.num_lists = 1;
+    add_padding_clear(args, params.o, p.nheads, /*keys=*/false);
+    args.lse = params.lse;
     if (Status s = cuda_status(launch_varlen_tiles(args, stream), "sm80 forward: packed batch tile list"); !s.ok())
       return s;
   }

@@ -52,7 +52,7 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
   // block past its sequence's keys has no steps.
   auto make_mask = [&] {
     const SeqInfo seq(p, tile.batch);
-    return WindowMask(seq.seqlen_q, seq.mask_seqlen_k(), p.window_left, p.window_right);
+    return WindowMask(seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right);
   };
   auto make_steps = [&](const WindowMask& mask) {
     const int group = p.nheads / p.nheads_kv;

@@ -88,6 +88,9 @@ Status run_bwd_mainloop(const BwdParams& params, cudaStream_t stream) {
     args.lists[0] = rows;
     args.lists[1] = kp.scheduler.tiles;
     args.num_lists = 2;
+    add_padding_clear(args, params.dq, p.nheads, /*keys=*/false);
+    add_padding_clear(args, params.dk, p.nheads_kv, /*keys=*/true);
+    add_padding_clear(args, params.dv, p.nheads_kv, /*keys=*/true);
     if (Status s = cuda_status(launch_varlen_tiles(args, stream), "sm90 backward: packed batch tile lists"); !s.ok())
       return s;
   }

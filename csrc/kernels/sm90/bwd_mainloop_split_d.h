@@ -161,6 +161,8 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_, Features_> {
     shared.kv_full.wait(0);
     const bool packed = params.problem.is_varlen();
     if (packed && (n_block + 1) * kBlockN > mask.seqlen_k) Base::clear_kv_past(shared, mask, n_block, tid);
+    // The query block whose rows end past the sequence (-1: none), one register across the loop.
+    const int clear_m = packed && mask.seqlen_q % kBlockM != 0 ? mask.seqlen_q / kBlockM : -1;
     int i = 0;
 #pragma unroll 1
     for (int h = steps.head_begin; h < steps.head_begin + steps.heads; ++h) {
@@ -170,8 +172,7 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_, Features_> {
       const float alibi_slope = Base::head_slope(alibi);
 #pragma unroll 1
       for (int m = steps.first(), end = steps.end(); m != end; m += steps.step, ++i) {
-        if (packed && (m + 1) * kBlockM > mask.seqlen_q)
-          Base::clear_rows_past(shared, pipeline_q, st_q, pipeline_do, st_do, mask, m, tid);
+        if (m == clear_m) Base::clear_rows_past(shared, pipeline_q, st_q, pipeline_do, st_do, mask, m, tid);
         const int buf = i % Traits::kdSBuffers;
         Tensor acc_s = partition_fragment_C(mma_sdp, typename Traits::ScoreShape{});
         Tensor acc_dp = partition_fragment_C(mma_sdp, typename Traits::ScoreShape{});

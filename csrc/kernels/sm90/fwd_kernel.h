@@ -40,7 +40,7 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
   // per-sequence lengths, SeqInfo).
   auto tile_mask = [&](const TileCoord& tile) {
     const SeqInfo seq(p, tile.batch);
-    return WindowMask(seq.seqlen_q, seq.mask_seqlen_k(), p.window_left, p.window_right);
+    return WindowMask(seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right);
   };
 
   if (threadIdx.x == 0) {

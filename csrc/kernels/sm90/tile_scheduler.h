@@ -73,9 +73,10 @@ struct DynamicTileScheduler {
   // (a caller-owned int, FwdParams::workspace) on `stream`. group > 0 replaces the causal group
   // size (benchmarks/tune_sm90.cu).
   // A packed batch: the list of its query blocks is built on the stream first (kBlockM rows a
-  // tile; workspace: varlen_workspace.h), and its header holds the counter.
+  // tile; workspace: varlen_workspace.h) by the launch of `prep` (its padding rows to clear set
+  // by the caller), and the list's header holds the counter.
   static Status launch_grid(const AttnProblem& p, void* workspace, int group, int block_m, cudaStream_t stream,
-                            Params& sp, int& grid) {
+                            Params& sp, int& grid, VarlenTilesArgs prep = {}) {
     int num_sms = 0;
     if (Status s = multiprocessor_count(num_sms); !s.ok()) return s;
     if (p.is_varlen()) {
@@ -85,11 +86,10 @@ struct DynamicTileScheduler {
       grid = PersistentTileScheduler::grid_size(sp.tiles.capacity * p.nheads, num_sms);
       sp.group = group > 0 ? std::min(group, p.nheads) : PersistentTileScheduler::group_size(p.nheads);
       sp.counter = sp.tiles.count + 1;
-      VarlenTilesArgs args;
-      args.problem = p;
-      args.lists[0] = sp.tiles;
-      args.num_lists = 1;
-      return cuda_status(launch_varlen_tiles(args, stream), "sm90 forward: packed batch tile list");
+      prep.problem = p;
+      prep.lists[0] = sp.tiles;
+      prep.num_lists = 1;
+      return cuda_status(launch_varlen_tiles(prep, stream), "sm90 forward: packed batch tile list");
     }
     sp.tiles = VarlenTiles{};
     grid = PersistentTileScheduler::grid_size(sp.num_m_blocks * p.nheads * p.batch, num_sms);

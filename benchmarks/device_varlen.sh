@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Packed-batch work on the GPU machine, in two calls on one warm machine (FlashAttention-3's build
+# stays in /tmp/fa3 between them):
+#
+#   PHASE=tests OUT=$OUT bash benchmarks/device_varlen.sh   # FA3 with its varlen path built in the
+#                                                           # background while the GPU tests and
+#                                                           # compute-sanitizer on packed batches run
+#   PHASE=bench OUT=$OUT bash benchmarks/device_varlen.sh   # varlen_bench's mixes beside FA3's
+#                                                           # varlen function, then the dense grid of
+#                                                           # both families against their anchors
+#
+# The kernel library is built on a CPU machine (`python setup.py build_ext --inplace`) and carried
+# with .carry/fa3src.tar.gz (benchmarks/pack_fa3src.sh).
+set -u -o pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/cutlass_flash_out}
+LOGS=/tmp/varlen_logs
+mkdir -p "$OUT" "$LOGS"
+
+case "${PHASE:-tests}" in
+  tests)
+    # FA3's varlen function: bf16 only, every head dim the mixes use.
+    (FLASH_ATTENTION_DISABLE_VARLEN=FALSE FLASH_ATTENTION_DISABLE_FP16=TRUE OUT=$LOGS \
+      bash benchmarks/device_fa3.sh >"$LOGS/fa3.txt" 2>&1) &
+    fa3=$!
+    start=$(date +%s)
+    OUT=$LOGS SKIP_BENCH=1 TEST_TIMEOUT=${TEST_TIMEOUT:-300} PYTEST_ARGS="-m gpu ${PYTEST_EXTRA:-}" \
+      bash benchmarks/device_run.sh
+    echo "GPU tests: $(( $(date +%s) - start )) s"
+    for args in "90 64,128,192,256 varlen" "80 64,128 varlen"; do
+      timeout 120 compute-sanitizer --tool memcheck python3 benchmarks/sanitize_small.py $args \
+        >"$LOGS/memcheck-${args// /-}.log" 2>&1
+      echo "memcheck $args: rc $? $(grep -c 'Invalid\|ERROR SUMMARY: [1-9]' "$LOGS/memcheck-${args// /-}.log") error lines"
+      tail -1 "$LOGS/memcheck-${args// /-}.log"
+    done
+    wait $fa3
+    tail -4 "$LOGS/fa3.txt"
+    ;;
+  bench)
+    [ -d /tmp/fa3/hopper ] && export PYTHONPATH=/tmp/fa3/hopper${PYTHONPATH:+:$PYTHONPATH}
+    python3 -c "import cutlass_flash._C" 2>/dev/null ||
+      CUTLASS_FLASH_BINDING_ONLY=1 python3 setup.py build_ext --inplace >"$LOGS/build.log" 2>&1
+    timeout "${VARLEN_TIMEOUT:-330}" python3 benchmarks/varlen_bench.py --mix ${MIXES:-all} \
+      --head-dims ${HEAD_DIMS:-64,128,256} --out "$OUT" ${VARLEN_ARGS:-} 2>&1 | tee "$LOGS/varlen.log" | tail -60
+    if [ -n "${DENSE_ARGS:-}" ]; then
+      timeout "${DENSE_TIMEOUT:-200}" python3 -m cutlass_flash.benchmark $DENSE_ARGS --out "$OUT" 2>&1 \
+        | tee "$LOGS/dense.log" | grep -A30 "^## " | head -80
+    fi
+    ;;
+esac
+tar -C "$LOGS" -czf "$OUT/logs-varlen-${PHASE:-tests}.tar.gz" .
