@@ -24,9 +24,17 @@ case "${PHASE:-tests}" in
       bash benchmarks/device_fa3.sh >"$LOGS/fa3.txt" 2>&1) &
     fa3=$!
     start=$(date +%s)
-    OUT=$LOGS SKIP_BENCH=1 TEST_TIMEOUT=${TEST_TIMEOUT:-300} PYTEST_ARGS="-m gpu ${PYTEST_EXTRA:-}" \
+    # The packed-batch tests first (their own log), then the rest of the GPU suite.
+    packed="tests/test_varlen_isolation.py tests/test_varlen.py tests/test_lowlevel.py"
+    OUT=$LOGS SKIP_BENCH=1 TEST_TIMEOUT=${PACKED_TIMEOUT:-200} PYTEST_ARGS="-m gpu $packed ${PYTEST_EXTRA:-}" \
       bash benchmarks/device_run.sh
-    echo "GPU tests: $(( $(date +%s) - start )) s"
+    cp "$LOGS/tests.log" "$LOGS/tests_packed.log"
+    echo "packed-batch GPU tests: $(( $(date +%s) - start )) s"
+    start=$(date +%s)
+    timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -rs --maxfail=20 -m gpu tests \
+      $(for f in $packed; do echo "--ignore=$f"; done) ${PYTEST_EXTRA:-} >"$LOGS/tests_rest.log" 2>&1
+    echo "other GPU tests (rc $?): $(( $(date +%s) - start )) s"
+    tail -15 "$LOGS/tests_rest.log"
     for args in "90 64,128,192,256 varlen" "80 64,128 varlen"; do
       timeout 120 compute-sanitizer --tool memcheck python3 benchmarks/sanitize_small.py $args \
         >"$LOGS/memcheck-${args// /-}.log" 2>&1
@@ -42,9 +50,18 @@ case "${PHASE:-tests}" in
       CUTLASS_FLASH_BINDING_ONLY=1 python3 setup.py build_ext --inplace >"$LOGS/build.log" 2>&1
     timeout "${VARLEN_TIMEOUT:-330}" python3 benchmarks/varlen_bench.py --mix ${MIXES:-all} \
       --head-dims ${HEAD_DIMS:-64,128,256} --out "$OUT" ${VARLEN_ARGS:-} 2>&1 | tee "$LOGS/varlen.log" | tail -60
+    # The dense grid of both families against their anchors (FA3 / cuDNN, FA2), and with BASE_LIB
+    # (another commit's kernel library) an A/B: new, base, new, each its own process.
     if [ -n "${DENSE_ARGS:-}" ]; then
-      timeout "${DENSE_TIMEOUT:-200}" python3 -m cutlass_flash.benchmark $DENSE_ARGS --out "$OUT" 2>&1 \
-        | tee "$LOGS/dense.log" | grep -A30 "^## " | head -80
+      lib=cutlass_flash/libcutlass_flash_kernels.so
+      cp "$lib" /tmp/lib_new.so
+      for round in new ${BASE_LIB:+base new2}; do
+        if [ "$round" = base ]; then cp "$BASE_LIB" "$lib"; else cp /tmp/lib_new.so "$lib"; fi
+        timeout "${DENSE_TIMEOUT:-150}" python3 -m cutlass_flash.benchmark $DENSE_ARGS --no-plot --tag "dense-$round" \
+          --out "$OUT" >"$LOGS/dense-$round.log" 2>&1
+        echo "dense $round: rc $?"
+      done
+      cp /tmp/lib_new.so "$lib"
     fi
     ;;
 esac

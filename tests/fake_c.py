@@ -116,6 +116,10 @@ class FakeC:
             )
             Out[sq].copy_(out)
             lse_b.copy_(lse_ref)
+        q0, _ = self._padding(p)
+        if q0 is not None:  # rows after the last sequence: 0 and +inf, as the kernels write them
+            Out[:, q0:].zero_()
+            lse[:, :, q0:].fill_(float("inf"))
 
     def bwd(self, q, k, v, o, dout, lse_ptr, dq, dk, dv, workspace_ptr, deterministic, **kw):
         p = self._problem("bwd", kw)
@@ -140,6 +144,11 @@ class FakeC:
             dQ[sq].copy_(gq)
             dK[sk].copy_(gk)
             dV[sk].copy_(gv)
+        q0, k0 = self._padding(p)
+        if q0 is not None:  # rows after the last sequence: zero gradients
+            dQ[:, q0:].zero_()
+            dK[:, k0:].zero_()
+            dV[:, k0:].zero_()
 
     def _slopes(self, p, sequence):
         """The ALiBi slopes the kernels read, (batch, nheads) (a dense batch) or (1, nheads) (one
@@ -233,6 +242,16 @@ class FakeC:
             rows.append([(s, s + max(0, min(e - s, longest))) for s, e in zip(starts, starts[1:])])
         for (q0, q1), (k0, k1) in zip(*rows):
             yield (slice(None), slice(q0, q1)), (slice(None), slice(k0, k1)), lse[:, :, q0:q1]
+
+    def _padding(self, p):
+        """First rows after the last sequence of a variable-length batch (query, key side), clamped
+        as the kernels clamp; (None, None) when dense."""
+        if not p["cu_seqlens_q"]:
+            return None, None
+        n = p["batch"] + 1
+        last_q = _raw(p["cu_seqlens_q"], (n,), (1,), torch.int32, self.device)[-1].item()
+        last_k = _raw(p["cu_seqlens_k"], (n,), (1,), torch.int32, self.device)[-1].item()
+        return min(max(last_q, 0), p["total_q"]), min(max(last_k, 0), p["total_k"])
 
     # -- checks ---------------------------------------------------------------------------------
     _KEYS = ("batch", "seqlen_q", "seqlen_k", "nheads", "nheads_kv", "head_dim", "softmax_scale",
