@@ -13,6 +13,7 @@
 # with .carry/fa3src.tar.gz (benchmarks/pack_fa3src.sh).
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the scripts under benchmarks/ import the package
 OUT=${OUT:-/tmp/cutlass_flash_out}
 LOGS=/tmp/varlen_logs
 mkdir -p "$OUT" "$LOGS"

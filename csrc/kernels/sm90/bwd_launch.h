@@ -76,17 +76,17 @@ Status run_bwd_mainloop(const BwdParams& params, cudaStream_t stream) {
     if (Status s = check_tma_ref<Element>(*ref, name, "backward"); !s.ok()) return s;
 
   // A packed batch: its query rows (preprocess, dQ conversion) and key blocks (main kernel) are
-  // listed first, so that every grid covers the real tiles (common/varlen_tiles.h).
-  BwdKernelParams<Traits> kp = bwd_kernel_params<Traits>(params);
-  VarlenTiles rows;
+  // listed first, so that every grid covers the real tiles (common/varlen_tiles.h), and the rows
+  // after its last sequence of dq, dk and dv are zeroed.
+  VarlenTiles rows, keys;
   if (p.is_varlen()) {
     char* lists = static_cast<char*>(params.workspace) + bwd_workspace_layout(p, params.deterministic, kFamilyArch).total_bytes;
     rows = VarlenTiles::at_storage(lists, p, kBwdRowAlign, /*keys=*/false);
-    kp.scheduler.tiles = VarlenTiles::at_storage(lists + bwd_varlen_q_bytes(p), p, Traits::kBlockN, /*keys=*/true);
+    keys = VarlenTiles::at_storage(lists + bwd_varlen_q_bytes(p), p, Traits::kBlockN, /*keys=*/true);
     VarlenTilesArgs args;
     args.problem = p;
     args.lists[0] = rows;
-    args.lists[1] = kp.scheduler.tiles;
+    args.lists[1] = keys;
     args.num_lists = 2;
     add_padding_clear(args, params.dq, p.nheads, /*keys=*/false);
     add_padding_clear(args, params.dk, p.nheads_kv, /*keys=*/true);
@@ -99,6 +99,11 @@ Status run_bwd_mainloop(const BwdParams& params, cudaStream_t stream) {
       <<<BwdPreprocess::grid(params, kFamilyArch, rows), BwdPreprocess::kWarps * 32, 0, stream>>>(params, rows);
   if (Status s = cuda_status(cudaGetLastError(), "sm90 backward preprocess launch"); !s.ok()) return s;
 
+  // The TMA descriptors after a launch: encoded before this thread's first launch of the
+  // library (an autograd thread, the low-level pair), cuTensorMapEncodeTiled returned
+  // CUDA_ERROR_INVALID_CONTEXT (201) and the kernel ran on a garbage descriptor.
+  BwdKernelParams<Traits> kp = bwd_kernel_params<Traits>(params);
+  kp.scheduler.tiles = keys;
   constexpr auto kernel = bwd_kernel<Mainloop, BwdEpilogue<Traits>, GridTileScheduler>;
   if (Status s = ensure_smem_limit<kernel>(Traits::kSmemBytes); !s.ok()) return s;
   const dim3 grid = GridTileScheduler::grid(kp.scheduler, ceil_div(p.seqlen_k, Traits::kBlockN), p.nheads_kv, p.batch);
