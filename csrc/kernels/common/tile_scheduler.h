@@ -21,7 +21,9 @@ struct TileCoord {
 // (common/varlen_tiles.h) into the workspace (common/varlen_workspace.h).
 struct VarlenTiles {
   int2* tiles = nullptr;  // {sequence, block}
-  int* count = nullptr;   // tiles written (at most capacity); count[1]: the forward's tile counter
+  // count[0]: tiles written (at most capacity); count[1]: the forward's tile counter; count[2]:
+  // whether a list of the launch was cut at its capacity (bad cu_seqlens: overlapping sequences).
+  int* count = nullptr;
   int capacity = 0;
   int block = 0;          // rows per tile
   bool keys = false;      // tiles of key rows (cu_seqlens_k), else of query rows
@@ -40,6 +42,10 @@ struct VarlenTiles {
 
 #if defined(__CUDACC__)
   __device__ int size() const { return *count; }
+
+  // A cut list drops some sequences' last tiles; the deterministic backward's dQ turns then count
+  // blocks that never run, so it adds dQ unordered instead of waiting for them (no hang).
+  __device__ bool truncated() const { return count[2] != 0; }
 
   // Tile r (r < size()) as (block, head, sequence).
   __device__ TileCoord at(int r, int head) const {
@@ -71,14 +77,18 @@ struct VarlenTiles {
 // start in the order of their block index, which the deterministic dQ protocol relies on
 // (common/dq_semaphore.h).
 //
-// kPackable = false compiles the packed path out (DenseGridTileScheduler): the sm80 backward at
-// 255 registers spilled 48-64 B at d = 64 with it (0 B without), so its dense calls run a kernel
-// without it.
-template <bool kPackable>
+// kPackable = false compiles the packed path out (DenseGridTileScheduler), and the backward kernels
+// of both families take their packed-only work from it too: with that path in the one kernel, the
+// sm80 backward at 255 registers spilled 48-64 B at d = 64 (0 B without) and the sm90 dense
+// backward ran 2-6% slower (A/B on an H200, PERFLOG 91), so dense calls run kernels without it.
+struct GridTileParams {
+  VarlenTiles tiles;  // packed batches (tiles.count != nullptr)
+};
+
+template <bool kPackable_>
 struct GridTileSchedulerT {
-  struct Params {
-    VarlenTiles tiles;  // packed batches (tiles.count != nullptr)
-  };
+  static constexpr bool kPackable = kPackable_;
+  using Params = GridTileParams;
 
   static bool packed(const Params& sp) { return kPackable && sp.tiles.count != nullptr; }
 

@@ -62,9 +62,11 @@ __device__ void build_tile_lists(const VarlenTilesArgs& args) {
   __shared__ typename Scan::TempStorage scan_storage;
   const AttnProblem& p = args.problem;
   const int tid = threadIdx.x, lane = tid % 32;
+  bool cut = false;  // thread 0: a list was cut at its capacity
   for (int l = 0; l < args.num_lists; ++l) {
     const VarlenTiles& list = args.lists[l];
-    int carry = 0;  // tiles of the earlier chunks, at most list.capacity
+    int carry = 0;      // tiles of the earlier chunks, at most list.capacity
+    int64_t wanted = 0;  // tiles of every sequence: above the capacity only for bad cu_seqlens
     for (int base = 0; base < p.batch; base += kThreads) {
       const int b = base + tid;
       int n = 0;
@@ -81,14 +83,19 @@ __device__ void build_tile_lists(const VarlenTilesArgs& args) {
         const int bj = b - lane + j;
         for (int i = lane; i < nj && fj + i < list.capacity; i += 32) list.tiles[fj + i] = make_int2(bj, i);
       }
+      wanted += chunk_total;
       carry = int(min(int64_t(carry) + chunk_total, int64_t(list.capacity)));
       __syncthreads();  // scan_storage is reused by the next chunk
     }
     if (tid == 0) {
       list.count[0] = carry;
       list.count[1] = 0;
+      cut = cut || wanted > list.capacity;
     }
   }
+  // Every list of the launch carries whether any was cut (VarlenTiles::truncated).
+  if (tid == 0)
+    for (int l = 0; l < args.num_lists; ++l) args.lists[l].count[2] = cut;
 }
 
 // Blocks 1..: the padding rows, 16 bytes a store, block-strided over (output, row, head, chunk).

@@ -79,7 +79,9 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
   // already starts the longest blocks first. Deterministic mode relies on lower key blocks
   // starting first (common/dq_semaphore.h).
   const TileCoord tile = Scheduler::get(sched, /*longest_first=*/false);
-  if (tile.block < 0) return;  // past a packed batch's key blocks
+  if constexpr (Scheduler::kPackable) {
+    if (tile.block < 0) return;  // past a packed batch's key blocks
+  }
   const int n_block = tile.block, head_kv = tile.head;
   const SeqInfo seq(p, tile.batch);
   if (n_block * kBlockN >= seq.seqlen_k) return;  // past the sequence's keys
@@ -118,7 +120,11 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
     float* dq_accum = reinterpret_cast<float*>(workspace + ws.dq_accum_offset) + dq_row * kHeadDim;
     const float* dpsum = reinterpret_cast<const float*>(workspace + ws.dpsum_offset) + bh_row;
     const float* lse = params.lse + seq.lse_row(p, head);
-    const BwdDqOrder dq_order{params.deterministic ? reinterpret_cast<int*>(workspace + ws.dq_semaphore_offset) : nullptr,
+    // A packed batch whose tile list was cut (bad cu_seqlens) adds dQ unordered: its turns would
+    // wait for blocks that never run (VarlenTiles::truncated).
+    const bool ordered = params.deterministic && !(Scheduler::kPackable && sched.tiles.count != nullptr &&
+                                                   sched.tiles.truncated());
+    const BwdDqOrder dq_order{ordered ? reinterpret_cast<int*>(workspace + ws.dq_semaphore_offset) : nullptr,
                               dq_row, n_block, ws.dq_groups};
     // K and V (loaded again for each query head) from the tile read here: built before the loop,
     // their addresses were held across it and spilled (48 B at d = 64, 92 B at d = 256, sm_80).

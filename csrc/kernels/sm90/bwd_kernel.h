@@ -43,9 +43,11 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
   // flight then read Q, dO and dQ from all of a head's query blocks instead of a band of them, and
   // at 8k keys the upward walk measured 0.42-0.52x of the default speed at d = 128 / 256 where the
   // downward walk with four dQ copies keeps 0.77-0.81x (PERFLOG.md entry 62).
-  const bool upward = params.dq_semaphore != nullptr && p.window_right >= 0 && params.dq_groups == 1;
+  const bool upward = params.semaphores() != nullptr && p.window_right >= 0 && params.dq_groups == 1;
   const TileCoord tile = Scheduler::get(params.scheduler, /*longest_first=*/upward);
-  if (tile.block < 0) return;  // past a packed batch's key blocks
+  if constexpr (Scheduler::kPackable) {
+    if (tile.block < 0) return;  // past a packed batch's key blocks
+  }
   const int n_block = tile.block, head_kv = tile.head;
   // Built after each role's setmaxnreg: values live across it are spilled (forward, entry 16).
   // The mask is the sequence's (variable-length batches: per-sequence lengths, SeqInfo); a key
@@ -115,7 +117,9 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
     Tensor acc_dv = partition_fragment_C(mma_dkv, typename Traits::dKVShape{});
     clear(acc_dk);
     clear(acc_dv);
-    if (steps.count() > 0) Mainloop::mma(params, shared, pipeline_q, pipeline_do, steps, mask, n_block, tid, acc_dk, acc_dv);
+    if (steps.count() > 0)
+      Mainloop::template mma<Scheduler::kPackable>(params, shared, pipeline_q, pipeline_do, steps, mask, n_block, tid,
+                                                   acc_dk, acc_dv);
     const SeqInfo seq(p, tile.batch);
     Epilogue::store(p, params.dk, acc_dk, p.softmax_scale, seq, head_kv, n_block, tid, shared.v.data());
     Epilogue::store(p, params.dv, acc_dv, Dropout::keep_scale(p), seq, head_kv, n_block, tid, shared.v.data());

@@ -104,10 +104,17 @@ Status run_bwd_mainloop(const BwdParams& params, cudaStream_t stream) {
   // CUDA_ERROR_INVALID_CONTEXT (201) and the kernel ran on a garbage descriptor.
   BwdKernelParams<Traits> kp = bwd_kernel_params<Traits>(params);
   kp.scheduler.tiles = keys;
-  constexpr auto kernel = bwd_kernel<Mainloop, BwdEpilogue<Traits>, GridTileScheduler>;
-  if (Status s = ensure_smem_limit<kernel>(Traits::kSmemBytes); !s.ok()) return s;
-  const dim3 grid = GridTileScheduler::grid(kp.scheduler, ceil_div(p.seqlen_k, Traits::kBlockN), p.nheads_kv, p.batch);
-  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(kp);
+  // Dense calls run the kernel without the packed path (DenseGridTileScheduler says why).
+  if (p.is_varlen()) {
+    constexpr auto kernel = bwd_kernel<Mainloop, BwdEpilogue<Traits>, GridTileScheduler>;
+    if (Status s = ensure_smem_limit<kernel>(Traits::kSmemBytes); !s.ok()) return s;
+    kernel<<<GridTileScheduler::grid(kp.scheduler, 0, p.nheads_kv, 1), Traits::kNThreads, Traits::kSmemBytes, stream>>>(kp);
+  } else {
+    constexpr auto kernel = bwd_kernel<Mainloop, BwdEpilogue<Traits>, DenseGridTileScheduler>;
+    if (Status s = ensure_smem_limit<kernel>(Traits::kSmemBytes); !s.ok()) return s;
+    const dim3 grid(ceil_div(p.seqlen_k, Traits::kBlockN), p.nheads_kv, p.batch);
+    kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(kp);
+  }
   if (Status s = cuda_status(cudaGetLastError(), "sm90 backward launch"); !s.ok()) return s;
 
   const dim3 q_grid = rows.count != nullptr ? dim3(unsigned(rows.capacity * (kBwdRowAlign / Traits::kBlockM)), p.nheads, 1)

@@ -380,8 +380,9 @@ struct BwdMainloop {
   }
 
   // Runs every step of the block for consumer thread `tid` (0 .. kNMmaThreads) and leaves its
-  // unscaled dK and its dV in acc_dk, acc_dv.
-  template <typename Params, typename AccKV>
+  // unscaled dK and its dV in acc_dk, acc_dv. kPacked: the kernel takes packed batches (the rows
+  // past a sequence cleared; compiled out of the dense kernel).
+  template <bool kPacked, typename Params, typename AccKV>
   __device__ static void mma(const Params& params, typename Traits::SharedStorage& shared, Pipeline& pipeline_q,
                              Pipeline& pipeline_do, const BwdSteps& steps, const WindowMask& mask, int n_block,
                              int tid, AccKV& acc_dk, AccKV& acc_dv) {
@@ -420,7 +421,7 @@ struct BwdMainloop {
 
     PipelineState st_q, st_do;
     shared.kv_full.wait(0);
-    const bool packed = params.problem.is_varlen();
+    const bool packed = kPacked && params.problem.is_varlen();
     if (packed && (n_block + 1) * kBlockN > mask.seqlen_k) clear_kv_past(shared, mask, n_block, tid);
     // The query block whose rows end past the sequence (-1: none), one register across the loop.
     const int clear_m = packed && mask.seqlen_q % kBlockM != 0 ? mask.seqlen_q / kBlockM : -1;
@@ -461,8 +462,8 @@ struct BwdMainloop {
         if (tid == 0) {
           const int64_t row = dq_row(params, steps, h, n_block);
           DqTarget target{params.dq_accum + (row + int64_t(m) * kBlockM) * kHeadDim, nullptr, 0};
-          if (params.dq_semaphore != nullptr) {
-            target.semaphore = DqSemaphore{params.dq_semaphore}.at<kBlockM>(row, m);
+          if (int* semaphores = params.semaphores(); semaphores != nullptr) {
+            target.semaphore = DqSemaphore{semaphores}.at<kBlockM>(row, m);
             target.turn = DqSemaphore::turn<kBlockM, kBlockN>(mask, m, n_block, params.dq_groups, steps.upward());
           }
           shared.dq_target[dq_buf] = target;

@@ -58,7 +58,7 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_, Features_> {
   template <typename Params>
   __device__ static void dq_warp(const Params& params, typename Traits::SharedStorage&, const BwdSteps& steps,
                                  const WindowMask& mask, int n_block) {
-    if (params.dq_semaphore == nullptr || steps.count() == 0) return;
+    if (params.semaphores() == nullptr || steps.count() == 0) return;
     // The walk's direction as a template parameter (BwdSteps::first<kUpward>() says why).
     if (steps.upward())
       pass_turns<true>(params, steps, mask, n_block);
@@ -79,7 +79,7 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_, Features_> {
     int next_turn = turn(m);
 #pragma unroll 1
     while (true) {
-      int* semaphore = DqSemaphore{params.dq_semaphore}.at<kBlockM>(row, m);
+      int* semaphore = DqSemaphore{params.semaphores()}.at<kBlockM>(row, m);
       // Every lane polls (one address: one request for the warp), so no branch on the lane: with
       // lane 0 polling alone the compiler lost track of the warp's convergence once the walk had
       // two directions (a divergence check and a re-read of the thread index on each step's
@@ -101,7 +101,7 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_, Features_> {
     }
   }
 
-  template <typename Params, typename AccKV>
+  template <bool kPacked, typename Params, typename AccKV>
   __device__ static void mma(const Params& params, typename Traits::SharedStorage& shared, Pipeline& pipeline_q,
                              Pipeline& pipeline_do, const BwdSteps& steps, const WindowMask& mask, int n_block,
                              int tid, AccKV& acc_dk, AccKV& acc_dv) {
@@ -159,7 +159,7 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_, Features_> {
 
     PipelineState st_q, st_do;
     shared.kv_full.wait(0);
-    const bool packed = params.problem.is_varlen();
+    const bool packed = kPacked && params.problem.is_varlen();
     if (packed && (n_block + 1) * kBlockN > mask.seqlen_k) Base::clear_kv_past(shared, mask, n_block, tid);
     // The query block whose rows end past the sequence (-1: none), one register across the loop.
     const int clear_m = packed && mask.seqlen_q % kBlockM != 0 ? mask.seqlen_q / kBlockM : -1;
@@ -222,7 +222,7 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_, Features_> {
         red_add(dst + dq_index<Traits>(4 * j, tid) / 4,
                 make_float4(acc_dq(4 * j), acc_dq(4 * j + 1), acc_dq(4 * j + 2), acc_dq(4 * j + 3)));
     };
-    if (params.dq_semaphore != nullptr) {
+    if (params.semaphores() != nullptr) {
       cutlass::arch::NamedBarrier::sync(kTurnThreads, int(BwdBarrier::kdQTurn));
       add();
       cutlass::arch::NamedBarrier::arrive(kTurnThreads, int(BwdBarrier::kdQAdded));

@@ -363,6 +363,12 @@ struct BwdKernelParams {
   typename Traits::TmaQ tma_do;
   typename Traits::TmaKV tma_k;
   typename Traits::TmaKV tma_v;
+
+  // dq_semaphore, or null where a packed batch's tile list was cut (VarlenTiles::truncated: bad
+  // cu_seqlens, whose turns would wait for blocks that never run).
+  __device__ int* semaphores() const {
+    return scheduler.tiles.count != nullptr && scheduler.tiles.truncated() ? nullptr : dq_semaphore;
+  }
 };
 
 }  // namespace cutlass_flash::sm90
