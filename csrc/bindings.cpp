@@ -57,7 +57,8 @@ TensorRef4 tensor(const Tensor& t) {
 AttnProblem problem(int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_kv, int head_dim,
                     float softmax_scale, int window_left, int window_right, float softcap,
                     const std::string& dtype, uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, int total_q,
-                    int total_k, uintptr_t alibi_slopes, int64_t alibi_batch_stride, float dropout_p, uintptr_t rng_state) {
+                    int total_k, uintptr_t alibi_slopes, int64_t alibi_batch_stride, float dropout_p, uintptr_t rng_state,
+                    uintptr_t seqused_q, uintptr_t seqused_k) {
   AttnProblem p;
   p.batch = batch;
   p.seqlen_q = seqlen_q;
@@ -72,6 +73,8 @@ AttnProblem problem(int batch, int seqlen_q, int seqlen_k, int nheads, int nhead
   p.dtype = parse_dtype(dtype);
   p.cu_seqlens_q = reinterpret_cast<const int*>(cu_seqlens_q);
   p.cu_seqlens_k = reinterpret_cast<const int*>(cu_seqlens_k);
+  p.seqused_q = reinterpret_cast<const int*>(seqused_q);
+  p.seqused_k = reinterpret_cast<const int*>(seqused_k);
   p.total_q = total_q;
   p.total_k = total_k;
   p.alibi_slopes = reinterpret_cast<const float*>(alibi_slopes);
@@ -111,12 +114,13 @@ void fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, uin
          uintptr_t workspace, int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_kv, int head_dim,
          float softmax_scale, int window_left, int window_right, float softcap, const std::string& dtype,
          uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, int total_q, int total_k, uintptr_t alibi_slopes,
-         int64_t alibi_batch_stride, float dropout_p, uintptr_t rng_state, int arch, uintptr_t stream) {
+         int64_t alibi_batch_stride, float dropout_p, uintptr_t rng_state, uintptr_t seqused_q, uintptr_t seqused_k,
+         int arch, uintptr_t stream) {
   FwdParams params;
   set_common(params, q, k, v, o, workspace,
              problem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, softmax_scale,
                      window_left, window_right, softcap, dtype, cu_seqlens_q, cu_seqlens_k, total_q, total_k, alibi_slopes,
-                     alibi_batch_stride, dropout_p, rng_state));
+                     alibi_batch_stride, dropout_p, rng_state, seqused_q, seqused_k));
   params.lse = reinterpret_cast<float*>(lse);
   run_without_gil([&] { return run_fwd(params, arch, as_stream(stream)); });
 }
@@ -126,12 +130,13 @@ void bwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, con
          int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_kv, int head_dim,
          float softmax_scale, int window_left, int window_right, float softcap, const std::string& dtype,
          uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, int total_q, int total_k, uintptr_t alibi_slopes,
-         int64_t alibi_batch_stride, float dropout_p, uintptr_t rng_state, int arch, bool deterministic, uintptr_t stream) {
+         int64_t alibi_batch_stride, float dropout_p, uintptr_t rng_state, uintptr_t seqused_q, uintptr_t seqused_k,
+         int arch, bool deterministic, uintptr_t stream) {
   BwdParams params;
   set_common(params, q, k, v, o, workspace,
              problem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, softmax_scale,
                      window_left, window_right, softcap, dtype, cu_seqlens_q, cu_seqlens_k, total_q, total_k, alibi_slopes,
-                     alibi_batch_stride, dropout_p, rng_state));
+                     alibi_batch_stride, dropout_p, rng_state, seqused_q, seqused_k));
   params.dout = tensor(dout);
   params.lse = reinterpret_cast<const float*>(lse);
   params.dq = tensor(dq);
@@ -146,11 +151,11 @@ template <Direction kDir>
 size_t workspace_bytes(int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_kv,
                        int head_dim, float softmax_scale, int window_left, int window_right,
                        float softcap, const std::string& dtype, uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k,
-                       int total_q, int total_k, uintptr_t alibi_slopes, int64_t alibi_batch_stride, float dropout_p, uintptr_t rng_state, int arch,
-                       bool deterministic) {
+                       int total_q, int total_k, uintptr_t alibi_slopes, int64_t alibi_batch_stride, float dropout_p, uintptr_t rng_state,
+                       uintptr_t seqused_q, uintptr_t seqused_k, int arch, bool deterministic) {
   const AttnProblem p = problem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, softmax_scale, window_left,
                                 window_right, softcap, dtype, cu_seqlens_q, cu_seqlens_k, total_q, total_k,
-                                alibi_slopes, alibi_batch_stride, dropout_p, rng_state);
+                                alibi_slopes, alibi_batch_stride, dropout_p, rng_state, seqused_q, seqused_k);
   check(dispatch::check_problem(p, arch, kDir));
   return kDir == Direction::kForward ? fwd_workspace_bytes(p, arch) : bwd_workspace_bytes(p, arch, deterministic);
 }
@@ -159,11 +164,11 @@ size_t fwd_workspace_bytes_py(int batch, int seqlen_q, int seqlen_k, int nheads,
                               float softmax_scale, int window_left, int window_right, float softcap,
                               const std::string& dtype, uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k,
                               int total_q, int total_k, uintptr_t alibi_slopes, int64_t alibi_batch_stride, float dropout_p, uintptr_t rng_state,
-                              int arch) {
+                              uintptr_t seqused_q, uintptr_t seqused_k, int arch) {
   return workspace_bytes<Direction::kForward>(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim,
                                               softmax_scale, window_left, window_right, softcap, dtype,
                                               cu_seqlens_q, cu_seqlens_k, total_q, total_k, alibi_slopes,
-                                              alibi_batch_stride, dropout_p, rng_state, arch, false);
+                                              alibi_batch_stride, dropout_p, rng_state, seqused_q, seqused_k, arch, false);
 }
 
 py::list built() {
@@ -193,7 +198,8 @@ PYBIND11_MODULE(_C, m) {
       py::arg("window_left"), py::arg("window_right"), py::arg("softcap"), py::arg("dtype"),     \
       py::arg("cu_seqlens_q") = 0, py::arg("cu_seqlens_k") = 0, py::arg("total_q") = 0,          \
       py::arg("total_k") = 0, py::arg("alibi_slopes") = 0, py::arg("alibi_batch_stride") = 0,    \
-      py::arg("dropout_p") = 0.f, py::arg("rng_state") = 0
+      py::arg("dropout_p") = 0.f, py::arg("rng_state") = 0, py::arg("seqused_q") = 0,              \
+      py::arg("seqused_k") = 0
 
   m.def("fwd", &fwd, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"), py::arg("lse_ptr"),
         py::arg("workspace_ptr"), py::kw_only(), CUTLASS_FLASH_PROBLEM_ARGS, py::arg("arch"),
@@ -202,7 +208,9 @@ PYBIND11_MODULE(_C, m) {
         "last dim contiguous; lse_ptr: float32 (batch, nheads, seqlen_q), contiguous; "
         "cu_seqlens_q/_k (int32 device pointers, both or 0) make a variable-length batch of packed "
         "(total_q / total_k rows) tensors, seqlen_q/_k then the longest lengths and the LSE "
-        "(nheads, total_q); "
+        "(nheads, total_q); seqused_q/_k (int32 device pointers, batch entries each, or 0; "
+        "variable-length only): sequence b uses the first seqused[b] rows of its slot, the rest "
+        "written as 0 (lse +inf); "
         "workspace_ptr: fwd_workspace_bytes(...) bytes, aligned to _catalog.FWD_WORKSPACE_ALIGN (0 when that is 0); "
         "dtype: 'fp16' | 'bf16'; arch: kernel family (80, 90); stream: cudaStream_t as an int. "
         "Asynchronous.");

@@ -62,10 +62,13 @@ def _problem(q, k, head_dim, softmax_scale, window_left, window_right, dtype_nam
     if dropout_p > 0:
         problem.update(dropout_p=dropout_p, rng_state=rng_state.data_ptr())
     if varlen is not None:  # q, k: (1, total, nheads, head_dim) views of the packed tensors
-        cu_q, cu_k, max_q, max_k = varlen
+        cu_q, cu_k, max_q, max_k, used_q, used_k = varlen
         problem.update(batch=cu_q.shape[0] - 1, seqlen_q=max_q, seqlen_k=max_k,
                        cu_seqlens_q=cu_q.data_ptr(), cu_seqlens_k=cu_k.data_ptr(),
                        total_q=seqlen_q, total_k=k.shape[1])
+        for name, used in (("seqused_q", used_q), ("seqused_k", used_k)):
+            if used is not None:
+                problem[name] = used.data_ptr()
     return problem
 
 
@@ -88,8 +91,8 @@ def _pad(t, pad):
 
 def _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, deterministic=False, softcap=0.0,
               varlen=None, alibi_slopes=None, dropout_p=0.0, rng_state=None):
-    """The forward; varlen: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) with q, k, v
-    the (1, total, nheads, head_dim) views of packed tensors."""
+    """The forward; varlen: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
+    seqused_k) with q, k, v the (1, total, nheads, head_dim) views of packed tensors."""
     _validate.check_op_tensors(q, k, v)
     batch, seqlen_q, nheads, head_dim = q.shape
     if _no_work(varlen):
@@ -266,13 +269,15 @@ def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-# The feature arguments after the ops' required ones, and their defaults.
+# The feature arguments after the ops' required ones, and their defaults; the variable-length
+# ops take seqused after them.
 _FEATURES = {"softcap": 0.0, "alibi_slopes": None, "dropout_p": 0.0, "rng_state": None}
+_VARLEN_FEATURES = {**_FEATURES, "seqused_q": None, "seqused_k": None}
 
 
-def _features(passed):
+def _features(passed, features=_FEATURES):
     """The feature arguments of a call as a dict, the ones not passed at their defaults."""
-    return dict(zip(_FEATURES, tuple(passed) + tuple(_FEATURES.values())[len(passed):]))
+    return dict(zip(features, tuple(passed) + tuple(features.values())[len(passed):]))
 
 
 def _setup_context(ctx, inputs, output):
@@ -425,16 +430,19 @@ def varlen_fwd_op(
     alibi_slopes: Optional[_Tensor] = None,
     dropout_p: float = 0.0,
     rng_state: Optional[_Tensor] = None,
+    seqused_q: Optional[_Tensor] = None,
+    seqused_k: Optional[_Tensor] = None,
 ) -> tuple[_Tensor, _Tensor]:
     return _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                             softmax_scale, window_left, window_right, arch, softcap=softcap,
-                            alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_state=rng_state)
+                            alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_state=rng_state,
+                            seqused_q=seqused_q, seqused_k=seqused_k)
 
 
 @varlen_fwd_op.register_fake
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                      window_left, window_right, arch, deterministic, softcap=0.0, alibi_slopes=None,
-                     dropout_p=0.0, rng_state=None):
+                     dropout_p=0.0, rng_state=None, seqused_q=None, seqused_k=None):
     total_q, nheads, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((nheads, total_q), dtype=torch.float32)
 
@@ -460,30 +468,35 @@ def varlen_bwd_op(
     alibi_slopes: Optional[_Tensor] = None,
     dropout_p: float = 0.0,
     rng_state: Optional[_Tensor] = None,
+    seqused_q: Optional[_Tensor] = None,
+    seqused_k: Optional[_Tensor] = None,
 ) -> tuple[_Tensor, _Tensor, _Tensor]:
     return _varlen_bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                             max_seqlen_k, softmax_scale, window_left, window_right, arch,
                             deterministic, softcap=softcap, alibi_slopes=alibi_slopes,
-                            dropout_p=dropout_p, rng_state=rng_state)
+                            dropout_p=dropout_p, rng_state=rng_state, seqused_q=seqused_q,
+                            seqused_k=seqused_k)
 
 
 def _varlen_bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      softmax_scale, window_left, window_right, arch, deterministic, dq=None, dk=None,
-                     dv=None, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None):
+                     dv=None, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None,
+                     seqused_q=None, seqused_k=None):
     def view(t):
         return None if t is None else t.unsqueeze(0)
 
+    varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
     grads = _bwd_impl(view(dout), view(q), view(k), view(v), view(out), lse, softmax_scale,
                       window_left, window_right, arch, deterministic, view(dq), view(dk), view(dv),
-                      softcap=softcap, varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
-                      alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_state=rng_state)
+                      softcap=softcap, varlen=varlen, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                      rng_state=rng_state)
     return tuple(g.squeeze(0) if d is None else d for g, d in zip(grads, (dq, dk, dv)))
 
 
 @varlen_bwd_op.register_fake
 def _varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      softmax_scale, window_left, window_right, arch, deterministic, softcap=0.0,
-                     alibi_slopes=None, dropout_p=0.0, rng_state=None):
+                     alibi_slopes=None, dropout_p=0.0, rng_state=None, seqused_q=None, seqused_k=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -493,7 +506,7 @@ def _varlen_setup_context(ctx, inputs, output):
     ctx.num_inputs = len(inputs)
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
     ctx.scalars = (max_q, max_k, scale, wl, wr, arch, deterministic)
-    ctx.features = _features(rest)
+    ctx.features = _features(rest, _VARLEN_FEATURES)  # seqused too: the backward sees the same rows
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)
 
@@ -519,9 +532,9 @@ class _EagerVarlenAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, arch,
-                deterministic, softcap, alibi_slopes, dropout_p, rng_state):
+                deterministic, softcap, alibi_slopes, dropout_p, rng_state, seqused_q, seqused_k):
         inputs = (q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, arch,
-                  deterministic, softcap, alibi_slopes, dropout_p, rng_state)
+                  deterministic, softcap, alibi_slopes, dropout_p, rng_state, seqused_q, seqused_k)
         out, lse = _varlen_fwd_impl(*inputs)
         _varlen_setup_context(ctx, inputs, (out, lse))
         return out, lse
@@ -530,19 +543,22 @@ class _EagerVarlenAttention(torch.autograd.Function):
 
 
 def _varlen_fwd_impl(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, arch,
-                     deterministic=False, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None):
+                     deterministic=False, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None,
+                     seqused_q=None, seqused_k=None):
     out, lse = _fwd_impl(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), softmax_scale, window_left,
-                         window_right, arch, softcap=softcap, varlen=(cu_q, cu_k, max_q, max_k),
+                         window_right, arch, softcap=softcap,
+                         varlen=(cu_q, cu_k, max_q, max_k, seqused_q, seqused_k),
                          alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_state=rng_state)
     return out.squeeze(0), lse
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                           softcap=0.0, alibi_slopes=None, deterministic=False, return_lse=False):
+                           softcap=0.0, alibi_slopes=None, deterministic=False, return_lse=False,
+                           seqused_q=None, seqused_k=None):
     """flash_attn_func on a packed batch of sequences of different lengths (FlashAttention-2's
     flash_attn_varlen_func, same arguments in its order, return_lse in place of
-    return_attn_probs).
+    return_attn_probs; then FlashAttention-3's seqused_q / seqused_k).
 
     Args:
         q: (total_q, nheads, head_dim), the batch's queries one sequence after the other.
@@ -553,22 +569,27 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             integer tensor is read back (a synchronisation).
         The rest: as flash_attn_func; causal masks and windows are aligned per sequence, to its
         bottom-right corner.
+        seqused_q, seqused_k: None, or int32 (batch,) on q's device (FlashAttention-3's; static
+            shapes under CUDA graphs): sequence b is the first seqused[b] rows of its slot
+            [cu_seqlens[b], cu_seqlens[b + 1]) on that side (clamped to the slot; negative counts
+            as 0), and max_seqlen bounds these used lengths. The slot's other rows belong to no
+            sequence: out and the gradients are 0 there, lse +inf.
 
     Returns:
         out (total_q, nheads, head_dim), or (out, lse) with lse float32 (nheads, total_q).
 
-    cu_seqlens content is not checked by default (that needs a synchronisation): bad content gives
-    wrong numbers but no access outside the tensors; CUTLASS_FLASH_CHECK_CU_SEQLENS=1 checks it
-    on every call and raises ValueError. Dropout's mask of sequence b is the dense mask's
+    cu_seqlens and seqused content is not checked by default (that needs a synchronisation): bad
+    content gives wrong numbers but no access outside the tensors; CUTLASS_FLASH_CHECK_CU_SEQLENS=1
+    checks it on every call and raises ValueError. Dropout's mask of sequence b is the dense mask's
     [b, :, :len_q(b), :len_k(b)] (cutlass_flash.dropout.keep_mask over (batch, nheads,
     max_seqlen_q, max_seqlen_k)).
     """
     scale, window_left, window_right, max_seqlen_q, max_seqlen_k = _validate.check_varlen_call(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-        causal, window_size, softcap, alibi_slopes, deterministic)
+        causal, window_size, softcap, alibi_slopes, deterministic, seqused_q, seqused_k)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
             window_right, _dispatch._forced_arch, deterministic, float(softcap), alibi_slopes,
-            *_dropout_args(dropout_p, q.device))
+            *_dropout_args(dropout_p, q.device), seqused_q, seqused_k)
     if not _plain_eager(q, k, v):
         out, lse = _varlen_fwd(*args)
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):

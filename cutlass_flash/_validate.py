@@ -320,8 +320,9 @@ def check_call(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
 
 #: Set to 1 to check the content of cu_seqlens on every variable-length call (a device-to-host
 #: copy and a synchronisation): starts at 0, never decreasing, within the tensors, and each length
-#: at most max_seqlen. Without it, bad content gives wrong numbers but never an access outside
-#: the tensors (the kernels clamp every sequence to them).
+#: at most max_seqlen (with seqused: each seqused[b] within its slot, and at most max_seqlen).
+#: Without it, bad content gives wrong numbers but never an access outside the tensors (the
+#: kernels clamp every sequence to them).
 CHECK_CU_SEQLENS_ENV = "CUTLASS_FLASH_CHECK_CU_SEQLENS"
 
 
@@ -346,6 +347,23 @@ def _check_cu_seqlens(name, cu, batch, device):
         raise ValueError(f"{name} must be contiguous; pass {name}.contiguous()")
 
 
+def _check_seqused(name, used, batch, device):
+    """seqused_q / seqused_k: None, or int32 (batch,) on q's device, contiguous (FlashAttention-3's)."""
+    if used is None:
+        return
+    if not isinstance(used, torch.Tensor):
+        raise TypeError(f"{name} must be None or an int32 tensor (batch,), got {type(used).__name__}")
+    if used.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32 (FlashAttention-3's layout), got {used.dtype}")
+    if tuple(used.shape) != (batch,):
+        raise ValueError(f"{name} must have shape ({batch},) (batch = len(cu_seqlens_q) - 1), got "
+                         f"{tuple(used.shape)}")
+    if used.device != device:
+        raise ValueError(f"{name} must be on q's device {device}, got {used.device}")
+    if not used.is_contiguous():
+        raise ValueError(f"{name} must be contiguous; pass {name}.contiguous()")
+
+
 def _check_max_seqlen(name, value):
     """The int; a 0-d integer tensor (what transformers passes for packed batches) is read back
     (one synchronisation)."""
@@ -358,9 +376,12 @@ def _check_max_seqlen(name, value):
     return value
 
 
-def check_cu_seqlens_content(name, cu, total, max_seqlen):
-    """The debug check (CHECK_CU_SEQLENS_ENV): ValueError naming the first bad entry."""
+def check_cu_seqlens_content(name, cu, total, max_seqlen, used_name=None, used=None):
+    """The debug check (CHECK_CU_SEQLENS_ENV): ValueError naming the first bad entry. With
+    seqused (``used``, named ``used_name``), each entry must lie in [0, its slot's length], and
+    max_seqlen bounds the used lengths (the rows the kernels see), not the slots."""
     values = cu.tolist()
+    used = None if used is None else used.tolist()
     if values[0] != 0:
         raise ValueError(f"{name}[0] must be 0, got {values[0]}")
     for i in range(1, len(values)):
@@ -368,9 +389,14 @@ def check_cu_seqlens_content(name, cu, total, max_seqlen):
         if n < 0:
             raise ValueError(f"{name} must not decrease: {name}[{i}] = {values[i]} < "
                              f"{name}[{i - 1}] = {values[i - 1]}")
+        by = name
+        if used is not None:
+            if not 0 <= used[i - 1] <= n:
+                raise ValueError(f"{used_name}[{i - 1}] = {used[i - 1]} must be in [0, {n}] (the rows of "
+                                 f"sequence {i - 1}'s slot by {name})")
+            n, by = used[i - 1], used_name
         if n > max_seqlen:
-            raise ValueError(f"sequence {i - 1} has {n} rows by {name}, more than its max_seqlen "
-                             f"{max_seqlen}")
+            raise ValueError(f"sequence {i - 1} has {n} rows by {by}, more than its max_seqlen {max_seqlen}")
     if values[-1] > total:
         raise ValueError(f"{name}[-1] = {values[-1]} is past the tensor's {total} rows")
     if values[-1] < total:
@@ -382,11 +408,13 @@ def check_cu_seqlens_content(name, cu, total, max_seqlen):
 
 
 def check_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                      softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic):
+                      softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                      seqused_q=None, seqused_k=None):
     """The checks of flash_attn_varlen_func: q (total_q, nheads, head_dim), k and v (total_k,
-    nheads_kv, head_dim), cu_seqlens int32 (batch + 1,). Returns (softmax_scale, window_left,
-    window_right, max_seqlen_q, max_seqlen_k) as the kernels take them; the content of cu_seqlens
-    is checked only under CHECK_CU_SEQLENS_ENV (it would need a synchronisation)."""
+    nheads_kv, head_dim), cu_seqlens int32 (batch + 1,), seqused None or int32 (batch,). Returns
+    (softmax_scale, window_left, window_right, max_seqlen_q, max_seqlen_k) as the kernels take
+    them; the content of cu_seqlens and seqused is checked only under CHECK_CU_SEQLENS_ENV (it
+    would need a synchronisation)."""
     _check_ranks((q, k, v), 3, "(total_tokens, nheads, head_dim) for flash_attn_varlen_func")
     for name, t in (("q", q), ("k", k)):
         if t.shape[0] < 1:
@@ -395,6 +423,8 @@ def check_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     check_inputs(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))
     _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None, q.device)
     _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, cu_seqlens_q.shape[0] - 1, q.device)
+    _check_seqused("seqused_q", seqused_q, cu_seqlens_q.shape[0] - 1, q.device)
+    _check_seqused("seqused_k", seqused_k, cu_seqlens_q.shape[0] - 1, q.device)
     max_seqlen_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
     max_seqlen_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k)
     scale = check_softmax_scale(softmax_scale, q.shape[2])
@@ -402,8 +432,8 @@ def check_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     check_features(dropout_p, softcap, alibi_slopes, deterministic, cu_seqlens_q.shape[0] - 1, q.shape[1],
                    q.device)
     if os.environ.get(CHECK_CU_SEQLENS_ENV, "0") not in ("", "0"):
-        check_cu_seqlens_content("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
-        check_cu_seqlens_content("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
+        check_cu_seqlens_content("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "seqused_q", seqused_q)
+        check_cu_seqlens_content("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "seqused_k", seqused_k)
     return scale, window_left, window_right, max_seqlen_q, max_seqlen_k
 
 

@@ -100,8 +100,8 @@ def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p,
     return softmax_d
 
 
-def _unsupported_varlen(block_table=None, leftpad_k=None, seqused_k=None):
-    for name, value in (("block_table", block_table), ("leftpad_k", leftpad_k), ("seqused_k", seqused_k)):
+def _unsupported_varlen(block_table=None, leftpad_k=None):
+    for name, value in (("block_table", block_table), ("leftpad_k", leftpad_k)):
         if value is not None:
             raise NotImplementedError(f"cutlass_flash: {name} is not supported yet (pass None)")
 
@@ -113,18 +113,20 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
                                seqused_k=None, zero_tensors=False):
     """(out, softmax_lse, S_dmask, rng_state) of a packed batch, as FlashAttention-2's: q
     (total_q, nheads, d), k / v (total_k, nheads_kv, d), out like q, softmax_lse float32
-    (nheads, total_q). zero_tensors is accepted and ignored (as in FlashAttention-2's kernels)."""
+    (nheads, total_q). seqused_k: None or int32 (batch,), sequence b's keys are the first
+    seqused_k[b] rows of its slot (flash_attn_varlen_func's). zero_tensors is accepted and ignored
+    (as in FlashAttention-2's kernels)."""
     scale, left, right, max_q, max_k = _validate.check_varlen_call(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-        causal, (window_size_left, window_size_right), softcap, alibi_slopes, False)
-    _unsupported_varlen(block_table, leftpad_k, seqused_k)
+        causal, (window_size_left, window_size_right), softcap, alibi_slopes, False, seqused_k=seqused_k)
+    _unsupported_varlen(block_table, leftpad_k)
     if return_softmax:
         raise NotImplementedError("cutlass_flash: return_softmax=True is not supported")
     dropout_p, rng_state = _ops._dropout_args(dropout_p, q.device)
     out, lse = _ops._varlen_fwd_impl(q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k,
                                      max_q, max_k, scale, left, right, _dispatch._forced_arch,
                                      softcap=float(softcap), alibi_slopes=alibi_slopes,
-                                     dropout_p=dropout_p, rng_state=rng_state)
+                                     dropout_p=dropout_p, rng_state=rng_state, seqused_k=seqused_k)
     return out, lse, q.new_empty((0,)), _rng_state_out(rng_state, q.device)
 
 
@@ -132,19 +134,22 @@ def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_
                                 cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                                 causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
                                 alibi_slopes=None, deterministic=False, rng_state=None,
-                                zero_tensors=False):
+                                zero_tensors=False, seqused_k=None):
     """Writes the gradients of a packed batch into dq, dk, dv (new tensors where None) and returns
     softmax_d, float32 (nheads, total_q + 128 * batch) with sequence b's rows from
-    cu_seqlens_q[b] + 128 * b, as FlashAttention-2's. out and softmax_lse are taken as given."""
+    cu_seqlens_q[b] + 128 * b, as FlashAttention-2's. out and softmax_lse are taken as given.
+    seqused_k (not in FlashAttention-2's backward): the forward's, so that the gradients are of
+    the keys it used (dk, dv 0 in the other rows of each slot)."""
     scale, left, right, max_q, max_k = _validate.check_varlen_call(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-        causal, (window_size_left, window_size_right), softcap, alibi_slopes, deterministic)
+        causal, (window_size_left, window_size_right), softcap, alibi_slopes, deterministic,
+        seqused_k=seqused_k)
     _check_backward_args(q, k, v, dout, out, dq, dk, dv, dropout_p, rng_state)
     _ops._varlen_bwd_impl(dout.detach(), q.detach(), k.detach(), v.detach(), out.detach(),
                           softmax_lse, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, left, right,
                           _dispatch._forced_arch, deterministic, dq, dk, dv, softcap=float(softcap),
                           alibi_slopes=alibi_slopes, dropout_p=float(dropout_p),
-                          rng_state=rng_state if dropout_p > 0 else None)
+                          rng_state=rng_state if dropout_p > 0 else None, seqused_k=seqused_k)
     total_q, nheads, _ = q.shape
     batch = cu_seqlens_q.shape[0] - 1
     rows = torch.arange(total_q, device=q.device)

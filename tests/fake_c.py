@@ -116,10 +116,7 @@ class FakeC:
             )
             Out[sq].copy_(out)
             lse_b.copy_(lse_ref)
-        q0, _ = self._padding(p)
-        if q0 is not None:  # rows after the last sequence: 0 and +inf, as the kernels write them
-            Out[:, q0:].zero_()
-            lse[:, :, q0:].fill_(float("inf"))
+        self._padding(p, (Out,), (), lse)
 
     def bwd(self, q, k, v, o, dout, lse_ptr, dq, dk, dv, workspace_ptr, deterministic, **kw):
         p = self._problem("bwd", kw)
@@ -144,11 +141,7 @@ class FakeC:
             dQ[sq].copy_(gq)
             dK[sk].copy_(gk)
             dV[sk].copy_(gv)
-        q0, k0 = self._padding(p)
-        if q0 is not None:  # rows after the last sequence: zero gradients
-            dQ[:, q0:].zero_()
-            dK[:, k0:].zero_()
-            dV[:, k0:].zero_()
+        self._padding(p, (dQ,), (dK, dV))
 
     def _slopes(self, p, sequence):
         """The ALiBi slopes the kernels read, (batch, nheads) (a dense batch) or (1, nheads) (one
@@ -226,39 +219,54 @@ class FakeC:
         B, H, S = p["batch"], p["nheads"], p["seqlen_q"]
         return _raw(ptr, (B, H, S), (H * S, S, 1), torch.float32, self.device)
 
+    def _rows(self, p):
+        """Per side (query, key): each sequence's (first row, end row, slot end) of a
+        variable-length batch, clamped to the tensors as the kernels clamp (SeqInfo), seqused
+        applied; and the first row after the last slot."""
+        n = p["batch"] + 1
+        sides = []
+        for side, total, longest in (("q", p["total_q"], p["seqlen_q"]), ("k", p["total_k"], p["seqlen_k"])):
+            cu = _raw(p[f"cu_seqlens_{side}"], (n,), (1,), torch.int32, self.device).tolist()
+            used = p[f"seqused_{side}"]
+            used = _raw(used, (n - 1,), (1,), torch.int32, self.device).tolist() if used else [longest] * (n - 1)
+            ends = [min(max(x, 0), total) for x in cu]
+            seqs = [(s, s + max(0, min(e - s, longest, max(u, 0))), e) for s, e, u in zip(ends, ends[1:], used)]
+            sides.append((seqs, ends[-1]))
+        return sides
+
     def _sequences(self, p, lse):
         """(query rows, key rows, LSE) index/view per sequence: the whole batch when dense; each
-        sequence of a variable-length batch, clamped to the tensors as the kernels clamp."""
+        sequence of a variable-length batch (_rows)."""
         if not p["cu_seqlens_q"]:
             yield slice(None), slice(None), lse
             return
-        n = p["batch"] + 1
-        cu_q = _raw(p["cu_seqlens_q"], (n,), (1,), torch.int32, self.device).tolist()
-        cu_k = _raw(p["cu_seqlens_k"], (n,), (1,), torch.int32, self.device).tolist()
-        rows = []
-        for cu, total, longest in ((cu_q, p["total_q"], p["seqlen_q"]),
-                                   (cu_k, p["total_k"], p["seqlen_k"])):
-            starts = [min(max(x, 0), total) for x in cu]
-            rows.append([(s, s + max(0, min(e - s, longest))) for s, e in zip(starts, starts[1:])])
-        for (q0, q1), (k0, k1) in zip(*rows):
+        (seqs_q, _), (seqs_k, _) = self._rows(p)
+        for (q0, q1, _), (k0, k1, _) in zip(seqs_q, seqs_k):
             yield (slice(None), slice(q0, q1)), (slice(None), slice(k0, k1)), lse[:, :, q0:q1]
 
-    def _padding(self, p):
-        """First rows after the last sequence of a variable-length batch (query, key side), clamped
-        as the kernels clamp; (None, None) when dense."""
+    def _padding(self, p, query_side, key_side, lse=None):
+        """As the kernels' prep launch (varlen_tiles.h): the rows of a variable-length batch that
+        belong to no sequence, those after the last slot and, where seqused is given, each slot's
+        unused end, are 0 in the 16-bit outputs and +inf in the LSE."""
         if not p["cu_seqlens_q"]:
-            return None, None
-        n = p["batch"] + 1
-        last_q = _raw(p["cu_seqlens_q"], (n,), (1,), torch.int32, self.device)[-1].item()
-        last_k = _raw(p["cu_seqlens_k"], (n,), (1,), torch.int32, self.device)[-1].item()
-        return min(max(last_q, 0), p["total_q"]), min(max(last_k, 0), p["total_k"])
+            return
+        (seqs_q, tail_q), (seqs_k, tail_k) = self._rows(p)
+        sides = ((seqs_q, tail_q, p["seqused_q"], query_side, lse), (seqs_k, tail_k, p["seqused_k"], key_side, None))
+        for seqs, tail, used, outputs, side_lse in sides:
+            gaps = [slice(tail, None)] + [slice(end, max(end, slot_end)) for _, end, slot_end in seqs if used]
+            for rows in gaps:
+                for t in outputs:
+                    t[:, rows] = 0
+                if side_lse is not None:
+                    side_lse[:, :, rows] = float("inf")
 
     # -- checks ---------------------------------------------------------------------------------
     _KEYS = ("batch", "seqlen_q", "seqlen_k", "nheads", "nheads_kv", "head_dim", "softmax_scale",
              "window_left", "window_right", "softcap", "dtype", "arch")
     # The binding's variable-length keywords and their defaults (a dense batch).
     _VARLEN_KEYS = {"cu_seqlens_q": 0, "cu_seqlens_k": 0, "total_q": 0, "total_k": 0,
-                    "alibi_slopes": 0, "alibi_batch_stride": 0, "dropout_p": 0.0, "rng_state": 0}
+                    "alibi_slopes": 0, "alibi_batch_stride": 0, "dropout_p": 0.0, "rng_state": 0,
+                    "seqused_q": 0, "seqused_k": 0}
 
     def _problem(self, direction, kw, check_built=True):
         kw = dict(kw)
@@ -269,6 +277,8 @@ class FakeC:
         assert set(kw) == set(self._KEYS) | set(self._VARLEN_KEYS), f"unexpected kwargs {sorted(kw)}"
         if bool(kw["cu_seqlens_q"]) != bool(kw["cu_seqlens_k"]):
             raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
+        if (kw["seqused_q"] or kw["seqused_k"]) and not kw["cu_seqlens_q"]:
+            raise ValueError("seqused_q / seqused_k apply to variable-length batches only")
         if kw["cu_seqlens_q"] and direction not in VARLEN.get(kw["arch"], ()):
             raise NotImplementedError(f"fake _C: sm{kw['arch']} has no variable-length {direction} kernel")
         if (kw["softcap"] > 0 and kw["alibi_slopes"]

@@ -79,7 +79,8 @@ def test_fwd_and_bwd_take_our_kwargs():
 def test_binding_rejects_bad_problems():
     C = _dispatch.lib()
     arch, _, head_dim, dtype = _a_built_kernel("fwd")
-    for change in (dict(dtype="fp32"), dict(nheads_kv=3), dict(seqlen_q=0)):
+    # seqused without cu_seqlens: a dense batch has no slots to take rows of.
+    for change in (dict(dtype="fp32"), dict(nheads_kv=3), dict(seqlen_q=0), dict(seqused_q=16), dict(seqused_k=16)):
         with pytest.raises(ValueError):
             C.bwd_workspace_bytes(**{**_problem(head_dim, dtype), **change}, arch=arch,
                                   deterministic=False)

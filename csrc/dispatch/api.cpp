@@ -198,10 +198,14 @@ Status check_problem(const AttnProblem& p, int arch, Direction dir) {
   if ((p.cu_seqlens_q == nullptr) != (p.cu_seqlens_k == nullptr))
     return make(Status::kInvalidArgument,
                 prefix(dir) + "cu_seqlens_q and cu_seqlens_k must be given together (variable-length) or not at all");
+  if (!p.is_varlen() && (p.seqused_q != nullptr || p.seqused_k != nullptr))
+    return make(Status::kInvalidArgument,
+                prefix(dir) + "seqused_q / seqused_k apply to variable-length batches only (need cu_seqlens)");
   if (p.is_varlen()) {
-    for (const void* ptr : {static_cast<const void*>(p.cu_seqlens_q), static_cast<const void*>(p.cu_seqlens_k)})
+    for (const void* ptr : {static_cast<const void*>(p.cu_seqlens_q), static_cast<const void*>(p.cu_seqlens_k),
+                            static_cast<const void*>(p.seqused_q), static_cast<const void*>(p.seqused_k)})
       if (reinterpret_cast<uintptr_t>(ptr) % alignof(int) != 0)
-        return make(Status::kInvalidArgument, prefix(dir) + "cu_seqlens are not 4-byte aligned int32 arrays");
+        return make(Status::kInvalidArgument, prefix(dir) + "cu_seqlens / seqused are not 4-byte aligned int32 arrays");
     if (p.total_q <= 0 || p.total_k <= 0)
       return make(Status::kInvalidArgument, prefix(dir) + "total_q = " + to_string(p.total_q) + " and total_k = " +
                                                 to_string(p.total_k) + " must be positive");

@@ -64,6 +64,12 @@ struct AttnProblem {
   // packed tensors.
   const int* cu_seqlens_q = nullptr;
   const int* cu_seqlens_k = nullptr;
+  // Optional, variable-length only (FlashAttention-3's seqused, for static-shape packing under
+  // CUDA graphs): batch int32 each; sequence b is the first seqused[b] rows of its slot
+  // [cu_seqlens[b], cu_seqlens[b + 1]) (clamped to the slot, negative = 0), each side on its own.
+  // The slot's other rows belong to no sequence: written as 0 (out, dq, dk, dv) and +inf (LSE).
+  const int* seqused_q = nullptr;
+  const int* seqused_k = nullptr;
   int total_q = 0;
   int total_k = 0;
 

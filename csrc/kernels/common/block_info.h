@@ -17,7 +17,8 @@ struct SeqInfo {
   int seqlen_q, seqlen_k;
 
   // Variable-length: the offsets clamped to [0, total] and each length to the problem's maximum,
-  // so that no cu_seqlens content takes an access past a tensor (AttnProblem).
+  // so that no cu_seqlens content takes an access past a tensor (AttnProblem); seqused can only
+  // shorten a sequence within its slot, so it needs no clamp of its own beyond >= 0.
   __host__ __device__ SeqInfo(const AttnProblem& p, int b)
       : batch(b), seqlen_q(p.seqlen_q), seqlen_k(p.seqlen_k) {
     if (p.is_varlen()) {
@@ -27,6 +28,8 @@ struct SeqInfo {
       seqlen_k = min(clamp_offset(p.cu_seqlens_k[b + 1], p.total_k) - k_start, p.seqlen_k);
       seqlen_q = max(seqlen_q, 0);
       seqlen_k = max(seqlen_k, 0);
+      if (p.seqused_q != nullptr) seqlen_q = min(seqlen_q, max(p.seqused_q[b], 0));
+      if (p.seqused_k != nullptr) seqlen_k = min(seqlen_k, max(p.seqused_k[b], 0));
     }
   }
 

@@ -28,9 +28,10 @@ namespace cutlass_flash {
 
 // One launch prepares a packed batch's call: block 0 builds up to two tile lists (a backward needs
 // the query rows' and the key blocks'; each list's header is zeroed, the forward's tile counter
-// with it), and the other blocks write the rows after the last sequence (cu_seqlens[batch] to the
-// tensor's end: the padding of a static buffer, which no tile covers) of up to three 16-bit
-// outputs as zeros and of the LSE as +inf, as the dense op gives rows that see no key.
+// with it), and the other blocks write the rows that belong to no sequence (after the last one,
+// cu_seqlens[batch] to the tensor's end: the padding of a static buffer; and a slot's rows past
+// its seqused length), which no tile covers, of up to three 16-bit outputs as zeros and of the
+// LSE as +inf, as the dense op gives rows that see no key.
 struct VarlenTilesArgs {
   static constexpr int kMaxLists = 2, kMaxClears = 3;
   // A (rows, heads, head_dim) output of 16-bit elements whose padding rows are zeroed.
@@ -98,27 +99,53 @@ __device__ void build_tile_lists(const VarlenTilesArgs& args) {
     for (int l = 0; l < args.num_lists; ++l) args.lists[l].count[2] = cut;
 }
 
-// Blocks 1..: the padding rows, 16 bytes a store, block-strided over (output, row, head, chunk).
+// Rows [first, first + rows) of every head of `t` zeroed, 16 bytes a store, by the threads
+// start, start + stride, ... (over (row, head, chunk)).
+__device__ inline void zero_rows(const VarlenTilesArgs::Clear& t, int first, int rows, int head_dim, int64_t start,
+                                 int64_t stride) {
+  const int chunks = head_dim / 8;
+  const int64_t per_row = int64_t(t.heads) * chunks;
+  for (int64_t i = start; i < int64_t(rows) * per_row; i += stride) {
+    const int64_t row = i / per_row, rest = i % per_row;
+    const int64_t offset = (first + row) * t.row_stride + rest / chunks * t.head_stride + rest % chunks * 8;
+    *reinterpret_cast<uint4*>(static_cast<uint16_t*>(t.ptr) + offset) = make_uint4(0, 0, 0, 0);
+  }
+}
+
+// LSE rows [first, first + rows) of every head set to +inf, by the threads start, start + stride, ...
+__device__ inline void lse_inf_rows(const VarlenTilesArgs& args, int first, int rows, int64_t start, int64_t stride) {
+  const AttnProblem& p = args.problem;
+  for (int64_t i = start; i < int64_t(rows) * p.nheads; i += stride)
+    args.lse[i / rows * p.total_q + first + i % rows] = INFINITY;
+}
+
+// Blocks 1..: the rows that belong to no sequence. Those after the last sequence, block-strided
+// over (output, row, head, chunk); with seqused_q / seqused_k also each slot's unused end,
+// [first row + used length, cu_seqlens[b + 1]) (SeqInfo's clamps: no access past a tensor), one
+// block a sequence with the sequences strided over the blocks (no search for a row's sequence).
 __device__ inline void clear_padding_rows(const VarlenTilesArgs& args, int head_dim) {
   const AttnProblem& p = args.problem;
   const int q_first = min(max(p.cu_seqlens_q[p.batch], 0), p.total_q);
   const int k_first = min(max(p.cu_seqlens_k[p.batch], 0), p.total_k);
   const int64_t stride = int64_t(gridDim.x - 1) * blockDim.x, start = int64_t(blockIdx.x - 1) * blockDim.x + threadIdx.x;
-  const int chunks = head_dim / 8;
   for (int c = 0; c < args.num_clears; ++c) {
     const VarlenTilesArgs::Clear& t = args.clears[c];
-    const int first = t.keys ? k_first : q_first, rows = (t.keys ? p.total_k : p.total_q) - first;
-    const int64_t n = int64_t(rows) * t.heads * chunks;
-    for (int64_t i = start; i < n; i += stride) {
-      const int64_t row = i / (int64_t(t.heads) * chunks), rest = i % (int64_t(t.heads) * chunks);
-      const int64_t offset = (first + row) * t.row_stride + rest / chunks * t.head_stride + rest % chunks * 8;
-      *reinterpret_cast<uint4*>(static_cast<uint16_t*>(t.ptr) + offset) = make_uint4(0, 0, 0, 0);
-    }
+    const int first = t.keys ? k_first : q_first;
+    zero_rows(t, first, (t.keys ? p.total_k : p.total_q) - first, head_dim, start, stride);
   }
-  if (args.lse != nullptr) {
-    const int rows = p.total_q - q_first;
-    for (int64_t i = start; i < int64_t(rows) * p.nheads; i += stride)
-      args.lse[i / rows * p.total_q + q_first + i % rows] = INFINITY;
+  if (args.lse != nullptr) lse_inf_rows(args, q_first, p.total_q - q_first, start, stride);
+  if (p.seqused_q == nullptr && p.seqused_k == nullptr) return;
+  for (int b = blockIdx.x - 1; b < p.batch; b += gridDim.x - 1) {
+    const SeqInfo seq(p, b);
+    const int q_used = seq.q_start + seq.seqlen_q, k_used = seq.k_start + seq.seqlen_k;
+    // The slot's end clamped as its start; none when it lies before the used rows' end (bad content).
+    const int q_gap = p.seqused_q ? max(min(max(p.cu_seqlens_q[b + 1], 0), p.total_q) - q_used, 0) : 0;
+    const int k_gap = p.seqused_k ? max(min(max(p.cu_seqlens_k[b + 1], 0), p.total_k) - k_used, 0) : 0;
+    for (int c = 0; c < args.num_clears; ++c) {
+      const VarlenTilesArgs::Clear& t = args.clears[c];
+      zero_rows(t, t.keys ? k_used : q_used, t.keys ? k_gap : q_gap, head_dim, threadIdx.x, blockDim.x);
+    }
+    if (args.lse != nullptr) lse_inf_rows(args, q_used, q_gap, threadIdx.x, blockDim.x);
   }
 }
 
