@@ -26,8 +26,8 @@ case "${PHASE:-tests}" in
     fa3=$!
     start=$(date +%s)
     # The packed-batch tests first (their own log), then the rest of the GPU suite.
-    packed="tests/test_varlen_isolation.py tests/test_varlen.py tests/test_lowlevel.py"
-    OUT=$LOGS SKIP_BENCH=1 TEST_TIMEOUT=${PACKED_TIMEOUT:-200} PYTEST_ARGS="-m gpu $packed ${PYTEST_EXTRA:-}" \
+    packed="tests/test_varlen_isolation.py tests/test_seqused.py tests/test_varlen.py tests/test_lowlevel.py"
+    OUT=$LOGS SKIP_BENCH=1 TEST_TIMEOUT=${PACKED_TIMEOUT:-330} PYTEST_ARGS="-m gpu $packed ${PYTEST_EXTRA:-}" \
       bash benchmarks/device_run.sh
     cp "$LOGS/tests.log" "$LOGS/tests_packed.log"
     echo "packed-batch GPU tests: $(( $(date +%s) - start )) s"
@@ -36,7 +36,7 @@ case "${PHASE:-tests}" in
       $(for f in $packed; do echo "--ignore=$f"; done) ${PYTEST_EXTRA:-} >"$LOGS/tests_rest.log" 2>&1
     echo "other GPU tests (rc $?): $(( $(date +%s) - start )) s"
     tail -15 "$LOGS/tests_rest.log"
-    for args in "90 64,128,192,256 varlen" "80 64,128 varlen"; do
+    for args in "90 64,128,192,256 varlen" "80 64,128 varlen" "90 128,192 det"; do
       timeout 120 compute-sanitizer --tool memcheck python3 benchmarks/sanitize_small.py $args \
         >"$LOGS/memcheck-${args// /-}.log" 2>&1
       echo "memcheck $args: rc $? $(grep -c 'Invalid\|ERROR SUMMARY: [1-9]' "$LOGS/memcheck-${args// /-}.log") error lines"
