@@ -34,8 +34,10 @@ struct BwdPreprocess {
   }
 };
 
-// kArch: the family whose main kernel follows (its dQ groups, bwd_workspace_layout).
-template <int kArch, int kHeadDim, typename Element>
+// kArch: the family whose main kernel follows (its dQ groups, bwd_workspace_layout). kPacked: a
+// packed batch's grid over `rows` (dense calls run the kernel without it: a few registers more
+// moved the dense backward, PERFLOG 91).
+template <int kArch, int kHeadDim, typename Element, bool kPacked>
 __global__ void __launch_bounds__(BwdPreprocess::kWarps * 32)
     bwd_preprocess_kernel(const __grid_constant__ BwdParams params, const __grid_constant__ VarlenTiles rows) {
   constexpr int kRows = BwdPreprocess::kRowsPerBlock, kThreads = BwdPreprocess::kWarps * 32;
@@ -43,7 +45,7 @@ __global__ void __launch_bounds__(BwdPreprocess::kWarps * 32)
   const BwdWorkspace ws = bwd_workspace_layout(p, params.deterministic, kArch);
   const int head = blockIdx.y;
   int batch = blockIdx.z, block = blockIdx.x;
-  if (rows.count != nullptr && !rows.part(blockIdx.x, kRows, batch, block)) return;
+  if (kPacked && !rows.part(blockIdx.x, kRows, batch, block)) return;
   const SeqInfo seq(p, batch);
   // Every row the main kernels read: the sequence's rows rounded up to whole query tiles.
   if (block * kRows >= (seq.seqlen_q + kBwdRowAlign - 1) / kBwdRowAlign * kBwdRowAlign) return;

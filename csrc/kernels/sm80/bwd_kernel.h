@@ -25,7 +25,7 @@ using namespace cute;
 // dq = softmax_scale * dQ scratch, one thread block per query tile, each thread reading back the
 // accumulators it would have held in the main kernel's dQ MMA (coalesced) and writing them at
 // their (row, col).
-template <typename Traits>
+template <typename Traits, bool kPacked>
 __global__ void __launch_bounds__(Traits::kNThreads) bwd_convert_dq_kernel(const __grid_constant__ BwdParams params,
                                                                               const __grid_constant__ VarlenTiles rows) {
   using Element = typename Traits::Element;
@@ -34,7 +34,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_convert_dq_kernel(const
   const BwdWorkspace ws = bwd_workspace_layout(p, params.deterministic, kFamilyArch);
   const int tid = threadIdx.x, head = blockIdx.y;
   int batch = blockIdx.z, m_block = blockIdx.x;
-  if (rows.count != nullptr && !rows.part(blockIdx.x, kBlockM, batch, m_block)) return;  // past a packed batch's rows
+  if (kPacked && !rows.part(blockIdx.x, kBlockM, batch, m_block)) return;  // past a packed batch's rows
   const SeqInfo seq(p, batch);
   if (m_block * kBlockM >= seq.seqlen_q) return;  // past the sequence's rows
   const int64_t bh_row = seq.workspace_row(p, ws.rows_per_head, head);

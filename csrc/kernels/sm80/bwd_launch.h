@@ -38,8 +38,11 @@ Status run_bwd(const BwdParams& params, cudaStream_t stream) {
     if (Status s = cuda_status(launch_varlen_tiles(args, stream), "sm80 backward: packed batch tile lists"); !s.ok())
       return s;
   }
-  bwd_preprocess_kernel<kFamilyArch, kHeadDim, Element>
-      <<<BwdPreprocess::grid(params, kFamilyArch, rows), BwdPreprocess::kWarps * 32, 0, stream>>>(params, rows);
+  const dim3 pre_grid = BwdPreprocess::grid(params, kFamilyArch, rows);
+  if (p.is_varlen())
+    bwd_preprocess_kernel<kFamilyArch, kHeadDim, Element, true><<<pre_grid, BwdPreprocess::kWarps * 32, 0, stream>>>(params, rows);
+  else
+    bwd_preprocess_kernel<kFamilyArch, kHeadDim, Element, false><<<pre_grid, BwdPreprocess::kWarps * 32, 0, stream>>>(params, rows);
   if (Status s = cuda_status(cudaGetLastError(), "sm80 backward preprocess launch"); !s.ok()) return s;
 
   // Dense calls run a kernel without the packed path (DenseGridTileScheduler: register spills).
@@ -59,7 +62,10 @@ Status run_bwd(const BwdParams& params, cudaStream_t stream) {
   static_assert(kBwdRowAlign % kTile.block_m == 0, "dQ conversion blocks split the packed row tiles");
   const dim3 q_grid = rows.count != nullptr ? dim3(unsigned(rows.capacity * (kBwdRowAlign / kTile.block_m)), p.nheads, 1)
                                             : dim3(ceil_div(p.seqlen_q, kTile.block_m), p.nheads, p.batch);
-  bwd_convert_dq_kernel<Traits><<<q_grid, Traits::kNThreads, 0, stream>>>(params, rows);
+  if (p.is_varlen())
+    bwd_convert_dq_kernel<Traits, true><<<q_grid, Traits::kNThreads, 0, stream>>>(params, rows);
+  else
+    bwd_convert_dq_kernel<Traits, false><<<q_grid, Traits::kNThreads, 0, stream>>>(params, rows);
   return cuda_status(cudaGetLastError(), "sm80 backward dQ conversion launch");
 }
 

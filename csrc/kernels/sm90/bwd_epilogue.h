@@ -73,7 +73,7 @@ struct BwdEpilogue {
 // in 16-byte stores. Stored straight from the accumulator layout (2-byte stores, 8 rows per warp
 // instruction) this kernel took 152-195 us at 16k tokens x 2048 (H100), 2.5x FlashAttention-3's
 // postprocess, which stages the same way (PERFLOG 45).
-template <typename Traits>
+template <typename Traits, bool kPacked>
 __global__ void __launch_bounds__(Traits::kNMmaThreads) bwd_convert_dq_kernel(const __grid_constant__ BwdParams params,
                                                                                  const __grid_constant__ VarlenTiles rows) {
   using Element = typename Traits::Element;
@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(Traits::kNMmaThreads) bwd_convert_dq_kernel(co
   const BwdWorkspace ws = bwd_workspace_layout(p, params.deterministic, kFamilyArch);
   const int tid = threadIdx.x, head = blockIdx.y;
   int batch = blockIdx.z, m_block = blockIdx.x;
-  if (rows.count != nullptr && !rows.part(blockIdx.x, kBlockM, batch, m_block)) return;  // past a packed batch's rows
+  if (kPacked && !rows.part(blockIdx.x, kBlockM, batch, m_block)) return;  // past a packed batch's rows
   const SeqInfo seq(p, batch);
   if (m_block * kBlockM >= seq.seqlen_q) return;  // past the sequence's rows
   const int64_t bh_row = seq.workspace_row(p, ws.rows_per_head, head);

@@ -95,8 +95,11 @@ Status run_bwd_mainloop(const BwdParams& params, cudaStream_t stream) {
       return s;
   }
 
-  bwd_preprocess_kernel<kFamilyArch, kHeadDim, Element>
-      <<<BwdPreprocess::grid(params, kFamilyArch, rows), BwdPreprocess::kWarps * 32, 0, stream>>>(params, rows);
+  const dim3 pre_grid = BwdPreprocess::grid(params, kFamilyArch, rows);
+  if (p.is_varlen())
+    bwd_preprocess_kernel<kFamilyArch, kHeadDim, Element, true><<<pre_grid, BwdPreprocess::kWarps * 32, 0, stream>>>(params, rows);
+  else
+    bwd_preprocess_kernel<kFamilyArch, kHeadDim, Element, false><<<pre_grid, BwdPreprocess::kWarps * 32, 0, stream>>>(params, rows);
   if (Status s = cuda_status(cudaGetLastError(), "sm90 backward preprocess launch"); !s.ok()) return s;
 
   // The TMA descriptors after a launch: encoded before this thread's first launch of the
@@ -119,7 +122,10 @@ Status run_bwd_mainloop(const BwdParams& params, cudaStream_t stream) {
 
   const dim3 q_grid = rows.count != nullptr ? dim3(unsigned(rows.capacity * (kBwdRowAlign / Traits::kBlockM)), p.nheads, 1)
                                             : dim3(ceil_div(p.seqlen_q, Traits::kBlockM), p.nheads, p.batch);
-  bwd_convert_dq_kernel<Traits><<<q_grid, Traits::kNMmaThreads, 0, stream>>>(params, rows);
+  if (p.is_varlen())
+    bwd_convert_dq_kernel<Traits, true><<<q_grid, Traits::kNMmaThreads, 0, stream>>>(params, rows);
+  else
+    bwd_convert_dq_kernel<Traits, false><<<q_grid, Traits::kNMmaThreads, 0, stream>>>(params, rows);
   return cuda_status(cudaGetLastError(), "sm90 backward dQ conversion launch");
 }
 

@@ -172,7 +172,9 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_, Features_> {
       const float alibi_slope = Base::head_slope(alibi);
 #pragma unroll 1
       for (int m = steps.first(), end = steps.end(); m != end; m += steps.step, ++i) {
-        if (m == clear_m) Base::clear_rows_past(shared, pipeline_q, st_q, pipeline_do, st_do, mask, m, tid);
+        if constexpr (kPacked) {
+          if (m == clear_m) Base::clear_rows_past(shared, pipeline_q, st_q, pipeline_do, st_do, mask, m, tid);
+        }
         const int buf = i % Traits::kdSBuffers;
         Tensor acc_s = partition_fragment_C(mma_sdp, typename Traits::ScoreShape{});
         Tensor acc_dp = partition_fragment_C(mma_sdp, typename Traits::ScoreShape{});
