@@ -49,7 +49,6 @@ __global__ void __launch_bounds__(BwdPreprocess::kWarps * 32)
   const SeqInfo seq(p, batch);
   // Every row the main kernels read: the sequence's rows rounded up to whole query tiles.
   if (block * kRows >= (seq.seqlen_q + kBwdRowAlign - 1) / kBwdRowAlign * kBwdRowAlign) return;
-  const int seqlen_q = seq.seqlen_q;
   const int64_t bh_row = seq.workspace_row(p, ws.rows_per_head, head);
   char* workspace = static_cast<char*>(params.workspace);
   float* dq_accum = reinterpret_cast<float*>(workspace + ws.dq_accum_offset);
@@ -82,7 +81,7 @@ __global__ void __launch_bounds__(BwdPreprocess::kWarps * 32)
     for (int i = 0; i < kBatch; ++i) {
       const int row = row0 + (b + i) * kRowsPerPass;
       ov[i] = dv[i] = make_uint4(0, 0, 0, 0);
-      if (row < seqlen_q && chunk < kChunks) {
+      if (row < seq.seqlen_q && chunk < kChunks) {
         ov[i] = *reinterpret_cast<const uint4*>(o + row * params.o.row_stride + chunk * 8);
         dv[i] = *reinterpret_cast<const uint4*>(dout + row * params.dout.row_stride + chunk * 8);
       }
@@ -108,7 +107,7 @@ __global__ void __launch_bounds__(BwdPreprocess::kWarps * 32)
       for (int offset = kThreadsPerRow / 2; offset > 0; offset /= 2) acc += __shfl_xor_sync(0xffffffff, acc, offset);
       if (chunk == 0) {
         dpsum[bh_row + row] = acc;
-        lse_log2[bh_row + row] = row < seqlen_q ? lse[row] * float(M_LOG2E) : INFINITY;
+        lse_log2[bh_row + row] = row < seq.seqlen_q ? lse[row] * float(M_LOG2E) : INFINITY;
       }
     }
   }

@@ -20,7 +20,9 @@
 #include <cstdint>
 
 #include "cutlass_flash/params.h"
+#include "generated/bwd_workspace.h"
 #include "kernels/common/block_info.h"
+#include "kernels/common/launch_utils.h"
 #include "kernels/common/tile_scheduler.h"
 #include "kernels/common/varlen_workspace.h"
 
@@ -123,8 +125,9 @@ __device__ inline void lse_inf_rows(const VarlenTilesArgs& args, int first, int 
 // over (output, row, head, chunk); with seqused_q / seqused_k also each slot's unused end,
 // [first row + used length, cu_seqlens[b + 1]) (SeqInfo's clamps: no access past a tensor), one
 // block a sequence with the sequences strided over the blocks (no search for a row's sequence).
-__device__ inline void clear_padding_rows(const VarlenTilesArgs& args, int head_dim) {
+__device__ inline void clear_padding_rows(const VarlenTilesArgs& args) {
   const AttnProblem& p = args.problem;
+  const int head_dim = p.head_dim;
   const int q_first = min(max(p.cu_seqlens_q[p.batch], 0), p.total_q);
   const int k_first = min(max(p.cu_seqlens_k[p.batch], 0), p.total_k);
   const int64_t stride = int64_t(gridDim.x - 1) * blockDim.x, start = int64_t(blockIdx.x - 1) * blockDim.x + threadIdx.x;
@@ -155,7 +158,7 @@ __global__ void __launch_bounds__(kThreads) varlen_tiles_kernel(const __grid_con
   if (blockIdx.x == 0)
     build_tile_lists<kThreads>(args);
   else
-    clear_padding_rows(args, args.problem.head_dim);
+    clear_padding_rows(args);
 }
 
 // Host: `t`'s padding rows to be zeroed by the launch of `args`.
@@ -168,6 +171,37 @@ inline cudaError_t launch_varlen_tiles(const VarlenTilesArgs& args, cudaStream_t
   const int blocks = 1 + (args.num_clears > 0 || args.lse != nullptr ? kVarlenClearBlocks : 0);
   varlen_tiles_kernel<kVarlenTilesThreads><<<blocks, kVarlenTilesThreads, 0, stream>>>(args);
   return cudaGetLastError();
+}
+
+// Host: a packed forward's launch arguments, its rows outside every sequence of out (0) and lse
+// (+inf) set; the caller adds its list of query blocks.
+inline VarlenTilesArgs fwd_varlen_args(const FwdParams& params) {
+  VarlenTilesArgs args;
+  args.problem = params.problem;
+  add_padding_clear(args, params.o, params.problem.nheads, /*keys=*/false);
+  args.lse = params.lse;
+  return args;
+}
+
+// Host: a packed backward's preparation, launched on `stream` (both families): the query rows in
+// kBwdRowAlign tiles (`rows`: preprocess, dQ conversion) and the key blocks of block_n rows
+// (`keys`: the main kernel), after the family's BwdWorkspace arrays (varlen_workspace.h), and the
+// rows outside every sequence of dq, dk and dv zeroed. `what` names the family in errors.
+inline Status launch_bwd_varlen_prep(const BwdParams& params, int arch, int block_n, cudaStream_t stream,
+                                     VarlenTiles& rows, VarlenTiles& keys, const char* what) {
+  const AttnProblem& p = params.problem;
+  char* lists = static_cast<char*>(params.workspace) + bwd_workspace_layout(p, params.deterministic, arch).total_bytes;
+  rows = VarlenTiles::at_storage(lists, p, kBwdRowAlign, /*keys=*/false);
+  keys = VarlenTiles::at_storage(lists + bwd_varlen_q_bytes(p), p, block_n, /*keys=*/true);
+  VarlenTilesArgs args;
+  args.problem = p;
+  args.lists[0] = rows;
+  args.lists[1] = keys;
+  args.num_lists = 2;
+  add_padding_clear(args, params.dq, p.nheads, /*keys=*/false);
+  add_padding_clear(args, params.dk, p.nheads_kv, /*keys=*/true);
+  add_padding_clear(args, params.dv, p.nheads_kv, /*keys=*/true);
+  return cuda_status(launch_varlen_tiles(args, stream), (std::string(what) + ": packed batch tile lists").c_str());
 }
 
 }  // namespace cutlass_flash

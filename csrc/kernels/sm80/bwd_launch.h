@@ -24,18 +24,8 @@ Status run_bwd(const BwdParams& params, cudaStream_t stream) {
   VarlenTiles rows;
   GridTileScheduler::Params sched;
   if (p.is_varlen()) {
-    char* lists = static_cast<char*>(params.workspace) + bwd_workspace_layout(p, params.deterministic, kFamilyArch).total_bytes;
-    rows = VarlenTiles::at_storage(lists, p, kBwdRowAlign, /*keys=*/false);
-    sched.tiles = VarlenTiles::at_storage(lists + bwd_varlen_q_bytes(p), p, kTile.block_n, /*keys=*/true);
-    VarlenTilesArgs args;
-    args.problem = p;
-    args.lists[0] = rows;
-    args.lists[1] = sched.tiles;
-    args.num_lists = 2;
-    add_padding_clear(args, params.dq, p.nheads, /*keys=*/false);
-    add_padding_clear(args, params.dk, p.nheads_kv, /*keys=*/true);
-    add_padding_clear(args, params.dv, p.nheads_kv, /*keys=*/true);
-    if (Status s = cuda_status(launch_varlen_tiles(args, stream), "sm80 backward: packed batch tile lists"); !s.ok())
+    if (Status s = launch_bwd_varlen_prep(params, kFamilyArch, kTile.block_n, stream, rows, sched.tiles, "sm80 backward");
+        !s.ok())
       return s;
   }
   const dim3 pre_grid = BwdPreprocess::grid(params, kFamilyArch, rows);

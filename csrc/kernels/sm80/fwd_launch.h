@@ -22,12 +22,9 @@ Status run_fwd(const FwdParams& params, cudaStream_t stream) {
   GridTileScheduler::Params sched;
   if (p.is_varlen()) {
     sched.tiles = VarlenTiles::at_storage(params.workspace, p, kTile.block_m, /*keys=*/false);
-    VarlenTilesArgs args;
-    args.problem = p;
+    VarlenTilesArgs args = fwd_varlen_args(params);
     args.lists[0] = sched.tiles;
     args.num_lists = 1;
-    add_padding_clear(args, params.o, p.nheads, /*keys=*/false);
-    args.lse = params.lse;
     if (Status s = cuda_status(launch_varlen_tiles(args, stream), "sm80 forward: packed batch tile list"); !s.ok())
       return s;
   }

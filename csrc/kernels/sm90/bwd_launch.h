@@ -80,18 +80,8 @@ Status run_bwd_mainloop(const BwdParams& params, cudaStream_t stream) {
   // after its last sequence of dq, dk and dv are zeroed.
   VarlenTiles rows, keys;
   if (p.is_varlen()) {
-    char* lists = static_cast<char*>(params.workspace) + bwd_workspace_layout(p, params.deterministic, kFamilyArch).total_bytes;
-    rows = VarlenTiles::at_storage(lists, p, kBwdRowAlign, /*keys=*/false);
-    keys = VarlenTiles::at_storage(lists + bwd_varlen_q_bytes(p), p, Traits::kBlockN, /*keys=*/true);
-    VarlenTilesArgs args;
-    args.problem = p;
-    args.lists[0] = rows;
-    args.lists[1] = keys;
-    args.num_lists = 2;
-    add_padding_clear(args, params.dq, p.nheads, /*keys=*/false);
-    add_padding_clear(args, params.dk, p.nheads_kv, /*keys=*/true);
-    add_padding_clear(args, params.dv, p.nheads_kv, /*keys=*/true);
-    if (Status s = cuda_status(launch_varlen_tiles(args, stream), "sm90 backward: packed batch tile lists"); !s.ok())
+    if (Status s = launch_bwd_varlen_prep(params, kFamilyArch, Traits::kBlockN, stream, rows, keys, "sm90 backward");
+        !s.ok())
       return s;
   }
 
@@ -115,7 +105,7 @@ Status run_bwd_mainloop(const BwdParams& params, cudaStream_t stream) {
   } else {
     constexpr auto kernel = bwd_kernel<Mainloop, BwdEpilogue<Traits>, DenseGridTileScheduler>;
     if (Status s = ensure_smem_limit<kernel>(Traits::kSmemBytes); !s.ok()) return s;
-    const dim3 grid(ceil_div(p.seqlen_k, Traits::kBlockN), p.nheads_kv, p.batch);
+    const dim3 grid = DenseGridTileScheduler::grid({}, ceil_div(p.seqlen_k, Traits::kBlockN), p.nheads_kv, p.batch);
     kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(kp);
   }
   if (Status s = cuda_status(cudaGetLastError(), "sm90 backward launch"); !s.ok()) return s;

@@ -67,11 +67,7 @@ Status run_fwd_traits(const FwdParams& params, cudaStream_t stream, int tile_gro
   FwdKernelParams<Traits> kp = fwd_kernel_params<Traits>(params);
 
   int grid = 0;
-  VarlenTilesArgs prep;  // a packed batch: its padding rows of out (0) and lse (+inf) too
-  if (p.is_varlen()) {
-    add_padding_clear(prep, params.o, p.nheads, /*keys=*/false);
-    prep.lse = params.lse;
-  }
+  const VarlenTilesArgs prep = p.is_varlen() ? fwd_varlen_args(params) : VarlenTilesArgs{};
   if (Status s = DynamicTileScheduler::launch_grid(p, params.workspace, tile_group, Traits::kBlockM, stream,
                                                    kp.scheduler, grid, prep);
       !s.ok())
