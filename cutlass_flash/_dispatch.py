@@ -7,6 +7,7 @@ per-call cost of dispatch is one dictionary lookup.
 import functools
 import importlib
 import os
+import threading
 
 import torch
 
@@ -31,9 +32,18 @@ FAMILY_DIRECTIONS = {arch: tuple(dirs) for arch, dirs in FAMILIES.items()}
 #: csrc/generate.py) runs on FALLBACK_ARCH. Today every family has every (direction, head dim).
 FALLBACK_ARCH = 80
 
-#: Head dims that have kernels. Other multiples of 8 up to 256 are zero-padded to the next one.
+#: Head dims that have kernels. Any other head dim up to 256 is zero-padded to the next one.
 INSTANTIATED_HEAD_DIMS = HEAD_DIMS
 MAX_HEAD_DIM = INSTANTIATED_HEAD_DIMS[-1]
+
+#: CUDA's limit on gridDim.y and gridDim.z. The kernels put heads on y and, for a dense batch,
+#: the batch on z (csrc/kernels/common/tile_scheduler.h): _ops runs a larger batch in slices of
+#: this many sequences; more heads than this is an error before any launch.
+MAX_GRID_YZ = 65535
+
+#: Kernel families the package has: GPUs from sm80 up to (not including) this major version run
+#: them. Newer architectures (Blackwell, sm100 / sm120) are refused until they have kernels.
+FIRST_UNSUPPORTED_MAJOR = 10
 
 #: torch dtype -> the binding's dtype name.
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -42,20 +52,18 @@ DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 #: binding change it to "cpu"; nothing else should.
 DEVICE_TYPE = "cuda"
 
-# d -> instantiated head dim, for every valid d (multiples of 8 in [8, 256]).
+# d -> instantiated head dim, for every valid d (1 to 256).
 _PADDED_HEAD_DIM = {
-    d: next(p for p in INSTANTIATED_HEAD_DIMS if p >= d) for d in range(8, MAX_HEAD_DIM + 1, 8)
+    d: next(p for p in INSTANTIATED_HEAD_DIMS if p >= d) for d in range(1, MAX_HEAD_DIM + 1)
 }
 
 
 def padded_head_dim(head_dim):
-    """The instantiated head dim that ``head_dim`` (a multiple of 8, at most 256) is padded to."""
+    """The instantiated head dim that ``head_dim`` (1 to 256) is zero-padded to."""
     try:
         return _PADDED_HEAD_DIM[head_dim]
     except KeyError:
-        raise ValueError(
-            f"head_dim must be a multiple of 8 between 8 and {MAX_HEAD_DIM}, got {head_dim}"
-        ) from None
+        raise ValueError(f"head_dim must be between 1 and {MAX_HEAD_DIM}, got {head_dim}") from None
 
 
 def missing_extension_message():
@@ -118,13 +126,19 @@ def _device_name(device):
 
 
 def check_capability(device):
-    """RuntimeError unless the device is sm80 or newer. Returns the capability."""
+    """RuntimeError unless the device is sm80 or newer; NotImplementedError for architectures
+    without kernels yet (FIRST_UNSUPPORTED_MAJOR and newer). Returns the capability."""
     cap = device_capability(device)
     if cap < (8, 0):
         raise RuntimeError(
             f"cutlass_flash needs an sm80 (Ampere) or newer GPU; {device} "
             f"({_device_name(device)}) has compute capability {cap[0]}.{cap[1]} "
             f"(sm{cap[0]}{cap[1]})"
+        )
+    if cap[0] >= FIRST_UNSUPPORTED_MAJOR:
+        raise NotImplementedError(
+            f"cutlass_flash has kernels for sm80-sm90 GPUs (Ampere, Ada, Hopper); {device} "
+            f"({_device_name(device)}, sm{cap[0]}{cap[1]}) is not supported yet"
         )
     return cap
 
@@ -156,14 +170,21 @@ def arch_from_env(environ=None):
     return _parse_arch(environ.get(ENV_FORCE_ARCH), ENV_FORCE_ARCH)
 
 
-# The kernel family flash_attn_func asks for: 0 = auto. Read once from the environment at import;
-# force_arch() changes it. A plain module global so that torch.compile guards on it.
-_forced_arch = arch_from_env()
+# The kernel family the calls of a thread ask for: 0 = auto. Every thread starts from the
+# environment's value, read once at import; force_arch() changes it for its own thread. A
+# threading.local rather than a contextvars.ContextVar: torch.compile traces (and guards on) an
+# attribute of a threading.local, and cannot trace ContextVar.get.
+_default_arch = arch_from_env()
+_thread_arch = threading.local()
 
 
 def forced_arch():
-    """The kernel family flash_attn_func currently requests (0 = auto)."""
-    return _forced_arch
+    """The kernel family the calling thread's calls request (0 = auto)."""
+    return getattr(_thread_arch, "arch", _default_arch)
+
+
+def _set_forced_arch(arch):
+    _thread_arch.arch = arch
 
 
 class force_arch:
@@ -175,24 +196,23 @@ class force_arch:
             out = flash_attn_func(q, k, v)
 
     or as a plain call that stays in effect: ``cutlass_flash.force_arch(80)``.
-    The environment variable CUTLASS_FLASH_FORCE_ARCH sets the initial value at import.
-    The family is fixed at the forward call: the backward of that call uses the same request.
+    Either way the setting is the calling thread's: other threads keep theirs. The environment
+    variable CUTLASS_FLASH_FORCE_ARCH sets every thread's initial value at import. The family is
+    fixed at the forward call: the backward of that call uses the same request (autograd runs it
+    on a thread of its own).
     """
 
     def __init__(self, arch):
-        global _forced_arch
         self._arch = _parse_arch(arch, "force_arch(arch)")
-        self._prev = _forced_arch
-        _forced_arch = self._arch
+        self._prev = forced_arch()
+        _set_forced_arch(self._arch)
 
     def __enter__(self):
-        global _forced_arch
-        _forced_arch = self._arch
+        _set_forced_arch(self._arch)
         return self
 
     def __exit__(self, *exc):
-        global _forced_arch
-        _forced_arch = self._prev
+        _set_forced_arch(self._prev)
         return False
 
 

@@ -85,8 +85,42 @@ def _no_work(varlen):
     return varlen is not None and (varlen[2] == 0 or varlen[3] == 0)
 
 
-def _pad(t, pad):
-    return F.pad(t, (0, pad)) if pad else t
+def _kernel_input(t, pad):
+    """``t`` as the kernels read it: zero-padded to the instantiated head dim (a new tensor), or a
+    contiguous copy when its layout is one the kernels cannot read (a broadcast stride 0 from
+    expand(), a non-contiguous last dim, rows not 16-byte aligned), else ``t`` itself."""
+    if pad:
+        return F.pad(t, (0, pad))
+    return t if _validate.is_kernel_layout(t) else t.clone(memory_format=torch.contiguous_format)
+
+
+def _kernel_query(q, softmax_scale):
+    """(q, scale) with a positive scale, the kernels' softmax assumes one (it takes the row
+    maximum of the unscaled scores): a negative scale runs as -q with |scale| (the same scores,
+    exactly), 0 as q = 0 with scale 1 (every score 0: uniform weights, plus the ALiBi bias, which
+    the kernels divide by the scale). The backward then negates dq, or zeroes it."""
+    if softmax_scale > 0:
+        return q, softmax_scale
+    if softmax_scale < 0:
+        return -q, -softmax_scale
+    return torch.zeros_like(q), 1.0
+
+
+def _batch_slices(batch, seqlen_q, nheads, varlen):
+    """[b0, b1) ranges of a dense batch that one launch each takes (_validate.max_batch_per_launch:
+    the grids put the batch on gridDim.z); a packed batch is one launch."""
+    step = batch if varlen is not None else _validate.max_batch_per_launch(seqlen_q, nheads)
+    return [(b0, min(b0 + step, batch)) for b0 in range(0, batch, step)]
+
+
+def _slice_features(b0, b1, alibi_slopes, rng_state):
+    """The (batch, nheads) ALiBi slopes and the dropout rng_state of sequences [b0, b1): the mask
+    of sequence b counts b + offset (cutlass_flash.dropout), so a slice's offset moves by b0."""
+    if alibi_slopes is not None and alibi_slopes.dim() == 2:
+        alibi_slopes = alibi_slopes[b0:b1]
+    if rng_state is not None and b0:
+        rng_state = rng_state + torch.tensor([0, b0], dtype=rng_state.dtype, device=rng_state.device)
+    return alibi_slopes, rng_state
 
 
 def _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, deterministic=False, softcap=0.0,
@@ -95,8 +129,11 @@ def _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, determini
     seqused_k) with q, k, v the (1, total, nheads, head_dim) views of packed tensors."""
     _validate.check_op_tensors(q, k, v)
     batch, seqlen_q, nheads, head_dim = q.shape
+    nseq = batch if varlen is None else varlen[0].shape[0] - 1
+    _validate.check_op_features(q, nseq, alibi_slopes, dropout_p, rng_state, varlen)
     if _no_work(varlen):
         return torch.zeros_like(q), q.new_full(_lse_shape(q, varlen), float("inf"), dtype=torch.float32)
+    _check_limits(q, k, varlen)
     padded = _dispatch.padded_head_dim(head_dim)
     dtype_name = _dispatch.DTYPE_NAMES[q.dtype]
     device = q.device
@@ -106,29 +143,41 @@ def _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, determini
     C = _dispatch.lib()
 
     pad = padded - head_dim
-    q, k, v = _pad(q, pad), _pad(k, pad), _pad(v, pad)
+    q, k, v = _kernel_input(q, pad), _kernel_input(k, pad), _kernel_input(v, pad)
+    q, softmax_scale = _kernel_query(q, softmax_scale)
     out = torch.empty((batch, seqlen_q, nheads, padded), dtype=q.dtype, device=device)
     lse = torch.empty(_lse_shape(q, varlen), dtype=torch.float32, device=device)
-    problem = _problem(q, k, padded, softmax_scale, window_left, window_right, dtype_name, softcap, varlen,
-                       alibi_slopes, dropout_p, rng_state)
-    workspace_bytes = C.fwd_workspace_bytes(**problem, arch=arch)
-    workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device) if workspace_bytes else None
-    _dispatch.launch(
-        C.fwd,
-        device,
-        _ref4(q),
-        _ref4(k),
-        _ref4(v),
-        _ref4(out),
-        lse.data_ptr(),
-        workspace.data_ptr() if workspace is not None else 0,
-        **problem,
-        arch=arch,
-        stream=_dispatch.current_stream(device),
-    )
+    for b0, b1 in _batch_slices(batch, seqlen_q, nheads, varlen):
+        whole = b1 - b0 == batch
+        qs, ks, vs, os_ = (t if whole else t[b0:b1] for t in (q, k, v, out))
+        slopes, rng = (alibi_slopes, rng_state) if whole else _slice_features(b0, b1, alibi_slopes, rng_state)
+        problem = _problem(qs, ks, padded, softmax_scale, window_left, window_right, dtype_name, softcap,
+                           varlen, slopes, dropout_p, rng)
+        workspace_bytes = C.fwd_workspace_bytes(**problem, arch=arch)
+        workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device) if workspace_bytes else None
+        _dispatch.launch(
+            C.fwd,
+            device,
+            _ref4(qs),
+            _ref4(ks),
+            _ref4(vs),
+            _ref4(os_),
+            (lse if whole else lse[b0:b1]).data_ptr(),
+            workspace.data_ptr() if workspace is not None else 0,
+            **problem,
+            arch=arch,
+            stream=_dispatch.current_stream(device),
+        )
     if pad:
         out = out[..., :head_dim].contiguous()
     return out, lse
+
+
+def _check_limits(q, k, varlen):
+    if varlen is None:
+        _validate.check_limits(q.shape[1], k.shape[1], q.shape[2])
+    else:
+        _validate.check_limits(varlen[2], varlen[3], q.shape[2], varlen[0].shape[0] - 1, q.shape[1], k.shape[1])
 
 
 @torch.library.custom_op("cutlass_flash::fwd", mutates_args=())
@@ -164,20 +213,13 @@ def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
               dropout_p=0.0, rng_state=None):
     """The backward; dq / dk / dv: buffers to write the gradients into (else new tensors). A
     buffer the kernels cannot write in place (a padded head dim, a layout they do not take) is
-    filled by a copy. varlen: as for _fwd_impl."""
-    # dout comes from autograd in any layout (e.g. expanded, with stride 0): copy if needed.
-    if not _validate.is_kernel_layout(dout):
-        dout = dout.clone(memory_format=torch.contiguous_format)
-    if not _validate.is_kernel_layout(out):
-        out = out.clone(memory_format=torch.contiguous_format)
+    filled by a copy. varlen: as for _fwd_impl. dout comes from autograd in any layout (stride 0
+    after a sum or mean over rows): _kernel_input copies what the kernels cannot read."""
     _validate.check_op_tensors(q, k, v, ("out", out, q.shape), ("dout", dout, q.shape))
     batch, seqlen_q, nheads, head_dim = q.shape
     _, seqlen_k, nheads_kv, _ = k.shape
-    if lse.shape != _lse_shape(q, varlen) or lse.dtype != torch.float32:
-        raise ValueError(
-            f"lse must be float32 of shape {_lse_shape(q, varlen)}, got {lse.dtype} "
-            f"{tuple(lse.shape)}"
-        )
+    nseq = batch if varlen is None else varlen[0].shape[0] - 1
+    _validate.check_op_features(q, nseq, alibi_slopes, dropout_p, rng_state, varlen, lse, _lse_shape(q, varlen))
     dests = (dq, dk, dv)
     if _no_work(varlen):
         grads = (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))
@@ -185,6 +227,7 @@ def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
             if dest is not None:
                 dest.zero_()
         return tuple(grad if dest is None else dest for grad, dest in zip(grads, dests))
+    _check_limits(q, k, varlen)
     padded = _dispatch.padded_head_dim(head_dim)
     dtype_name = _dispatch.DTYPE_NAMES[q.dtype]
     device = q.device
@@ -194,10 +237,9 @@ def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
     C = _dispatch.lib()
 
     pad = padded - head_dim
-    q, k, v, out, dout = (_pad(t, pad) for t in (q, k, v, out, dout))
+    q, k, v, out, dout = (_kernel_input(t, pad) for t in (q, k, v, out, dout))
+    q, kernel_scale = _kernel_query(q, softmax_scale)
     lse = lse.contiguous()
-    problem = _problem(q, k, padded, softmax_scale, window_left, window_right, dtype_name, softcap, varlen,
-                       alibi_slopes, dropout_p, rng_state)
 
     def target(dest, shape):
         if dest is not None and not pad and _validate.is_kernel_layout(dest):
@@ -207,29 +249,40 @@ def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
     dq = target(dq, (batch, seqlen_q, nheads, padded))
     dk = target(dk, (batch, seqlen_k, nheads_kv, padded))
     dv = target(dv, (batch, seqlen_k, nheads_kv, padded))
-    workspace = torch.empty(
-        C.bwd_workspace_bytes(**problem, arch=arch, deterministic=deterministic),
-        dtype=torch.uint8,
-        device=device,
-    )
-    _dispatch.launch(
-        C.bwd,
-        device,
-        _ref4(q),
-        _ref4(k),
-        _ref4(v),
-        _ref4(out),
-        _ref4(dout),
-        lse.data_ptr(),
-        _ref4(dq),
-        _ref4(dk),
-        _ref4(dv),
-        workspace.data_ptr(),
-        **problem,
-        arch=arch,
-        deterministic=deterministic,
-        stream=_dispatch.current_stream(device),
-    )
+    for b0, b1 in _batch_slices(batch, seqlen_q, nheads, varlen):
+        whole = b1 - b0 == batch
+        qs, ks, vs, os_, dos, dqs, dks, dvs, lses = (
+            t if whole else t[b0:b1] for t in (q, k, v, out, dout, dq, dk, dv, lse))
+        slopes, rng = (alibi_slopes, rng_state) if whole else _slice_features(b0, b1, alibi_slopes, rng_state)
+        problem = _problem(qs, ks, padded, kernel_scale, window_left, window_right, dtype_name, softcap,
+                           varlen, slopes, dropout_p, rng)
+        workspace = torch.empty(
+            C.bwd_workspace_bytes(**problem, arch=arch, deterministic=deterministic),
+            dtype=torch.uint8,
+            device=device,
+        )
+        _dispatch.launch(
+            C.bwd,
+            device,
+            _ref4(qs),
+            _ref4(ks),
+            _ref4(vs),
+            _ref4(os_),
+            _ref4(dos),
+            lses.data_ptr(),
+            _ref4(dqs),
+            _ref4(dks),
+            _ref4(dvs),
+            workspace.data_ptr(),
+            **problem,
+            arch=arch,
+            deterministic=deterministic,
+            stream=_dispatch.current_stream(device),
+        )
+    if softmax_scale < 0:  # the kernels' dq is that of -q (_kernel_query)
+        dq.neg_()
+    elif softmax_scale == 0:
+        dq.zero_()
     grads = (dq, dk, dv)
     if pad:
         grads = tuple(t[..., :head_dim] for t in grads)
@@ -297,20 +350,33 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward_with(bwd):
+    """The autograd backward that runs ``bwd``: the op, or its implementation (the eager path),
+    which then runs the op under create_graph=True, so that the gradients carry the op's node and
+    differentiating them raises (_no_double_backward) instead of silently returning no graph."""
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = bwd(dout, q, k, v, out, lse, ctx.softmax_scale, *ctx.window, ctx.arch,
+        run = _bwd if torch.is_grad_enabled() else bwd
+        dq, dk, dv = run(dout, q, k, v, out, lse, ctx.softmax_scale, *ctx.window, ctx.arch,
                          ctx.deterministic, **ctx.features)
         return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
 
     return backward
 
 
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError(
+        "cutlass_flash: double backward (differentiating the gradients of flash_attn_func, e.g. "
+        "after backward(create_graph=True)) is not supported, as in PyTorch's flash attention "
+        "backend; use torch.nn.functional.scaled_dot_product_attention with the math backend for "
+        "higher-order gradients")
+
+
 _fwd = torch.ops.cutlass_flash.fwd.default
 _bwd = torch.ops.cutlass_flash.bwd.default
 fwd_op.register_autograd(_backward_with(_bwd), setup_context=_setup_context)
+bwd_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
 
 
 class _EagerAttention(torch.autograd.Function):
@@ -342,6 +408,17 @@ def _plain_eager(q, k, v):
         and not torch.compiler.is_compiling()
         and torch._C._len_torch_dispatch_stack() == 0
     )
+
+
+def _autocast(q, k, v):
+    """q, k, v in the autocast dtype when autocast is on for the kernels' device type (what SDPA
+    does: it is one of autocast's lower-precision ops), else as given."""
+    device_type = _dispatch.DEVICE_TYPE
+    if device_type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device_type):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype
+                 else t for t in (q, k, v))
 
 
 def _dropout_args(dropout_p, device):
@@ -392,9 +469,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     The kernel family is chosen automatically (sm90 kernels on an sm90 GPU when built, else the
     sm80 family); cutlass_flash.force_arch / CUTLASS_FLASH_FORCE_ARCH override it.
     """
+    q, k, v = _autocast(q, k, v)
     scale, window_left, window_right = _validate.check_call(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic)
-    args = (q, k, v, scale, window_left, window_right, _dispatch._forced_arch, deterministic,
+    args = (q, k, v, scale, window_left, window_right, _dispatch.forced_arch(), deterministic,
             float(softcap), alibi_slopes, *_dropout_args(dropout_p, q.device))
     if not _plain_eager(q, k, v):
         out, lse = _fwd(*args)
@@ -512,11 +590,13 @@ def _varlen_setup_context(ctx, inputs, output):
 
 
 def _varlen_backward_with(bwd):
+    """_backward_with's twin."""
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = bwd(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.scalars, **ctx.features)
+        run = _varlen_bwd if torch.is_grad_enabled() else bwd
+        dq, dk, dv = run(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.scalars, **ctx.features)
         return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
 
     return backward
@@ -525,6 +605,7 @@ def _varlen_backward_with(bwd):
 _varlen_fwd = torch.ops.cutlass_flash.varlen_fwd.default
 _varlen_bwd = torch.ops.cutlass_flash.varlen_bwd.default
 varlen_fwd_op.register_autograd(_varlen_backward_with(_varlen_bwd), setup_context=_varlen_setup_context)
+varlen_bwd_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
 
 
 class _EagerVarlenAttention(torch.autograd.Function):
@@ -584,11 +665,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     [b, :, :len_q(b), :len_k(b)] (cutlass_flash.dropout.keep_mask over (batch, nheads,
     max_seqlen_q, max_seqlen_k)).
     """
+    q, k, v = _autocast(q, k, v)
     scale, window_left, window_right, max_seqlen_q, max_seqlen_k = _validate.check_varlen_call(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
         causal, window_size, softcap, alibi_slopes, deterministic, seqused_q, seqused_k)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
-            window_right, _dispatch._forced_arch, deterministic, float(softcap), alibi_slopes,
+            window_right, _dispatch.forced_arch(), deterministic, float(softcap), alibi_slopes,
             *_dropout_args(dropout_p, q.device), seqused_q, seqused_k)
     if not _plain_eager(q, k, v):
         out, lse = _varlen_fwd(*args)

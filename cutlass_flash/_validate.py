@@ -2,12 +2,15 @@
 
 Each check has a fast path (a few comparisons that accept every valid input) and falls back to
 the detailed checks, which find the first problem and raise an exception naming the argument,
-only when the fast path fails. The detailed order: types and ranks, dtypes, shapes, memory
-layout, then devices (same device, a CUDA device, compute capability >= 8.0). Shape, dtype and
-layout checks need no GPU: tests run them on CPU or meta tensors.
+only when the fast path fails. The detailed order: types and ranks, dtypes, shapes, then devices
+(same device, a CUDA device, compute capability >= 8.0). Shape and dtype checks need no GPU:
+tests run them on CPU or meta tensors. Memory layout is not an error: _ops copies a tensor the
+kernels cannot read as it is (is_kernel_layout), as FlashAttention-2 copies a non-contiguous
+last dimension.
 """
 
 import math
+import operator
 import os
 import warnings
 
@@ -29,11 +32,12 @@ _NAMES = ("q", "k", "v")
 def _layout_fast(t, offset):
     """True if ``t`` certainly has the kernels' layout (False: ask check_layout)."""
     s0, s1, s2, s3 = t.stride()
-    return s3 == 1 and not ((s0 | s1 | s2 | offset) & _ALIGN_MASK)
+    return s3 == 1 and s0 > 0 and s1 > 0 and s2 > 0 and not ((s0 | s1 | s2 | offset) & _ALIGN_MASK)
 
 
 def check_layout(name, t, offset=None):
-    """ValueError unless ``t`` (4-D) has a contiguous last dim and 16-byte aligned rows.
+    """ValueError unless ``t`` (4-D) has a contiguous last dim and 16-byte aligned rows, each
+    dim of more than one index a positive stride (not 0, as expand() gives).
 
     Strides of dims of size 1 are never used and may be anything. ``offset``: the storage offset
     (None: read it; pass 0 under torch.compile, which cannot trace storage_offset()).
@@ -47,6 +51,11 @@ def check_layout(name, t, offset=None):
     if offset is None:
         offset = t.storage_offset()
     n0, n1, n2, _ = t.shape
+    if (n0 > 1 and s0 <= 0) or (n1 > 1 and s1 <= 0) or (n2 > 1 and s2 <= 0):
+        raise ValueError(
+            f"{name} must not broadcast (a stride of 0 or less, as expand() gives) over dims 0-2, "
+            f"got strides {tuple(t.stride())} for shape {tuple(t.shape)}"
+        )
     if (
         offset % ALIGN_ELEMENTS
         or (n0 > 1 and s0 % ALIGN_ELEMENTS)
@@ -64,14 +73,14 @@ def check_layout(name, t, offset=None):
 def check_inputs(q, k, v):
     """Validates the arguments of flash_attn_func; raises TypeError/ValueError/RuntimeError."""
     compiling = torch.compiler.is_compiling()
-    if _inputs_fast(q, k, v, compiling):
+    if _inputs_fast(q, k, v):
         if not compiling:  # under torch.compile the op checks the GPU when it runs
             _dispatch.check_capability(q.device)
         return
     _check_inputs_detailed(q, k, v, compiling)
 
 
-def _inputs_fast(q, k, v, compiling):
+def _inputs_fast(q, k, v):
     if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor):
         return False
     if q.dim() != 4 or k.dim() != 4:
@@ -87,16 +96,13 @@ def _inputs_fast(q, k, v, compiling):
         and v.dtype is dt
         and Bk == B
         and Dk == D
-        and not D & 7
-        and 8 <= D <= _dispatch.MAX_HEAD_DIM
+        and 1 <= D <= _dispatch.MAX_HEAD_DIM
         and B >= 1
         and Sq >= 1
         and Sk >= 1
         and Hk >= 1
         and H % Hk == 0
-        and _layout_fast(q, 0 if compiling else q.storage_offset())
-        and _layout_fast(k, 0 if compiling else k.storage_offset())
-        and _layout_fast(v, 0 if compiling else v.storage_offset())
+        and H <= _dispatch.MAX_GRID_YZ
         and k.device == dev
         and v.device == dev
         and dev.type == _dispatch.DEVICE_TYPE
@@ -140,10 +146,10 @@ def _check_inputs_detailed(q, k, v, compiling):
             f"k and v must have q's head_dim: q {tuple(q.shape)} has head_dim {head_dim}, "
             f"k {tuple(k.shape)} has head_dim {head_dim_k}"
         )
-    if head_dim % 8 != 0 or head_dim < 8 or head_dim > _dispatch.MAX_HEAD_DIM:
+    if head_dim < 1 or head_dim > _dispatch.MAX_HEAD_DIM:
         raise ValueError(
-            f"head_dim (last dim of q, k, v) must be a multiple of 8 between 8 and "
-            f"{_dispatch.MAX_HEAD_DIM}, got {head_dim}"
+            f"head_dim (last dim of q, k, v) must be between 1 and {_dispatch.MAX_HEAD_DIM}, "
+            f"got {head_dim}"
         )
     if batch < 1:
         raise ValueError(f"batch (dim 0 of q, k, v) must be >= 1, got {batch}")
@@ -160,9 +166,11 @@ def _check_inputs_detailed(q, k, v, compiling):
             f"q's nheads ({nheads}) must be a multiple of k/v's nheads ({nheads_kv}) "
             f"(MHA: equal, GQA: a divisor, MQA: 1)"
         )
-
-    for name, t in zip(_NAMES, (q, k, v)):
-        check_layout(name, t, 0 if compiling else None)
+    if nheads > _dispatch.MAX_GRID_YZ:
+        raise ValueError(
+            f"nheads (dim 2 of q) must be at most {_dispatch.MAX_GRID_YZ} (the kernels' grids "
+            f"hold one head per index of CUDA's gridDim.y), got {nheads}"
+        )
 
     device = q.device
     for name, t in (("k", k), ("v", v)):
@@ -181,7 +189,8 @@ def _check_inputs_detailed(q, k, v, compiling):
 
 
 def check_softmax_scale(softmax_scale, head_dim):
-    """The softmax scale as a float: 1/sqrt(head_dim) for None."""
+    """The softmax scale as a float: 1/sqrt(head_dim) for None. Any finite value: _ops runs a
+    negative scale as -q with |scale|, and 0 as q = 0 (uniform weights)."""
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(softmax_scale, torch.Tensor) or not isinstance(softmax_scale, (int, float)):
@@ -189,13 +198,29 @@ def check_softmax_scale(softmax_scale, head_dim):
             f"softmax_scale must be a Python float or None, got {type(softmax_scale).__name__}"
         )
     softmax_scale = float(softmax_scale)
-    if not math.isfinite(softmax_scale):
+    if not _finite(softmax_scale):
         raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
     return softmax_scale
 
 
+def _finite(x):
+    """math.isfinite by comparisons, which torch.compile traces on the symbolic floats of
+    dynamic=True (it cannot trace math.isfinite); False for NaN."""
+    return -math.inf < x < math.inf
+
+
 def _is_int(x):
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _as_int(x):
+    """An int from anything integral (int, numpy integer, 0-d integer tensor), else None."""
+    if isinstance(x, bool) or (isinstance(x, torch.Tensor) and x.dtype == torch.bool):
+        return None
+    try:
+        return operator.index(x)
+    except TypeError:
+        return None
 
 
 def check_mask(causal, window_size, seqlen_k):
@@ -207,16 +232,24 @@ def check_mask(causal, window_size, seqlen_k):
     """
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+    if isinstance(window_size, torch.Tensor):  # FlashAttention-2's tests pass a tensor of two
+        window_size = window_size.tolist() if window_size.dim() == 1 else window_size
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
         raise TypeError(
-            f"window_size must be a tuple (left, right) of two ints, got {window_size!r}"
-        )
-    left, right = window_size
+            f"window_size must be a sequence (left, right) of two ints, got {window_size!r}"
+        ) from None
+    sides = []
     for side, value in (("left", left), ("right", right)):
-        if not _is_int(value):
+        as_int = value if _is_int(value) else _as_int(value)
+        if as_int is None:
             raise TypeError(
                 f"window_size {side} must be an int (-1: unbounded), got {type(value).__name__}"
             )
+        sides.append(as_int)
+    left, right = sides
+    for side, value in (("left", left), ("right", right)):
         if value < -1:
             raise ValueError(
                 f"window_size {side} must be >= 0, or -1 for unbounded, got {value}"
@@ -273,7 +306,7 @@ def check_dropout_softcap(dropout_p, softcap):
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"softcap must be a float >= 0, got {type(softcap).__name__}")
-    if not (softcap >= 0.0 and math.isfinite(softcap)):
+    if not (softcap >= 0.0 and _finite(softcap)):
         raise ValueError(f"softcap must be a finite float >= 0 (0: off), got {softcap}")
 
 
@@ -452,8 +485,9 @@ def is_kernel_layout(t):
 
 def check_op_tensors(q, k, v, *others):
     """Memory-safety checks of the ops themselves, which may be called without the wrapper:
-    shapes the binding cannot see and the layout it assumes. ``others``: (name, tensor, shape)
-    triples of further inputs like q. Runs inside the ops, on real tensors."""
+    shapes, dtypes and devices the binding cannot see (the layout it assumes, _ops makes by a copy
+    where needed). ``others``: (name, tensor, shape) triples of further inputs like q. Runs inside
+    the ops, on real tensors."""
     if q.dim() == 4 and k.dim() == 4:
         qs, ks = q.shape, k.shape
         dt, dev = q.dtype, q.device
@@ -468,14 +502,9 @@ def check_op_tensors(q, k, v, *others):
             and v.dtype is dt
             and k.device == dev
             and v.device == dev
-            and _layout_fast(q, q.storage_offset())
-            and _layout_fast(k, k.storage_offset())
-            and _layout_fast(v, v.storage_offset())
-            and all(
-                t.shape == shape and t.dtype is dt and t.device == dev
-                and _layout_fast(t, t.storage_offset())
-                for _, t, shape in others
-            )
+            and 1 <= qs[3] <= _dispatch.MAX_HEAD_DIM
+            and qs[2] <= _dispatch.MAX_GRID_YZ
+            and all(t.shape == shape and t.dtype is dt and t.device == dev for _, t, shape in others)
         ):
             return
     _check_op_tensors_detailed(q, k, v, others)
@@ -495,6 +524,11 @@ def _check_op_tensors_detailed(q, k, v, others):
             f"cutlass_flash: inconsistent shapes q {tuple(q.shape)}, k {tuple(k.shape)}, "
             f"v {tuple(v.shape)}"
         )
+    if not 1 <= q.shape[3] <= _dispatch.MAX_HEAD_DIM:
+        raise ValueError(f"cutlass_flash: head_dim must be between 1 and {_dispatch.MAX_HEAD_DIM}, "
+                         f"got {q.shape[3]}")
+    if q.shape[2] > _dispatch.MAX_GRID_YZ:
+        raise ValueError(f"cutlass_flash: nheads must be at most {_dispatch.MAX_GRID_YZ}, got {q.shape[2]}")
     if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(
             f"cutlass_flash: q, k, v must all be float16 or all bfloat16, got {q.dtype}, "
@@ -505,9 +539,6 @@ def _check_op_tensors_detailed(q, k, v, others):
             f"cutlass_flash: q, k, v must be on one device, got {q.device}, {k.device}, "
             f"{v.device}"
         )
-    check_layout("q", q)
-    check_layout("k", k)
-    check_layout("v", v)
     for name, t, shape in others:
         if t.shape != shape:
             raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
@@ -515,4 +546,72 @@ def _check_op_tensors_detailed(q, k, v, others):
             raise TypeError(f"{name} must have dtype {q.dtype}, got {t.dtype}")
         if t.device != q.device:
             raise ValueError(f"{name} must be on {q.device}, got {t.device}")
-        check_layout(name, t)
+
+
+#: Largest sequence length (rows of one sequence, dense or packed): the masks add row and column
+#: offsets to a 2^30 sentinel in int32 (csrc/kernels/common/mask.h).
+MAX_SEQLEN = (1 << 30) - 1
+#: Largest number of rows of a packed tensor (total_q, total_k: int32 in the kernels' parameters,
+#: and TMA row coordinates go up to total + one tile of 256 rows).
+MAX_TOTAL_ROWS = (1 << 31) - 256
+#: Largest tile count of one launch: the sm90 forward's persistent scheduler counts tiles in
+#: int32 and claims up to count + one per SM (less than 1024 SMs). Counted with 64-row tiles, the
+#: smallest of any family (csrc/kernels/*/tile_config.h), so the bound holds for every family.
+MAX_TILES = (1 << 31) - 1024
+MIN_BLOCK_M = 64
+
+
+def tiles(rows, nheads, batch=1):
+    """An upper bound on the (query block, head, sequence) tiles of a launch."""
+    return -(-rows // MIN_BLOCK_M) * nheads * batch
+
+
+def max_batch_per_launch(seqlen_q, nheads):
+    """The most sequences of a dense batch one launch takes: gridDim.z, and the tile count."""
+    return max(1, min(_dispatch.MAX_GRID_YZ, MAX_TILES // tiles(seqlen_q, nheads)))
+
+
+def check_limits(seqlen_q, seqlen_k, nheads, batch=None, total_q=None, total_k=None):
+    """ValueError for sizes past the kernels' 32-bit indices, before any launch. A dense batch
+    larger than one launch takes is run in slices (max_batch_per_launch), so batch has no limit of
+    its own; a packed batch (total_q / total_k given, seqlen_* its max_seqlen) needs its tiles to
+    fit one launch."""
+    for name, n in (("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)):
+        if n > MAX_SEQLEN:
+            raise ValueError(f"{name} = {n} is larger than the kernels' limit of {MAX_SEQLEN} rows per sequence")
+    if tiles(seqlen_q, nheads) > MAX_TILES:
+        raise ValueError(f"one sequence of {seqlen_q} queries with {nheads} heads is more than the kernels' "
+                         f"{MAX_TILES} tiles of {MIN_BLOCK_M} rows per launch")
+    for name, n in (("total_q", total_q), ("total_k", total_k)):
+        if n is not None and n > MAX_TOTAL_ROWS:
+            raise ValueError(f"{name} = {n} rows is more than the kernels' limit of {MAX_TOTAL_ROWS} (int32 "
+                             f"row indices)")
+    if total_q is not None and tiles(total_q + batch * (MIN_BLOCK_M - 1), nheads) > MAX_TILES:
+        raise ValueError(f"a packed batch of {total_q} queries in {batch} sequences with {nheads} heads is more "
+                         f"than the kernels' {MAX_TILES} tiles per launch")
+
+
+def check_op_features(q, batch, alibi_slopes, dropout_p, rng_state, varlen=None, lse=None, lse_shape=None):
+    """The ops' checks of their other tensor arguments (the public functions check them too, but
+    an op may be called directly, and the kernels read these through raw pointers): alibi_slopes,
+    rng_state, the packed batch's cu_seqlens / seqused, the backward's lse. ``q``: the 4-D query
+    (a packed batch's (1, total, nheads, d) view); ``batch``: the number of sequences."""
+    device = q.device
+    if alibi_slopes is not None:
+        check_alibi(alibi_slopes, batch, q.shape[2], device)
+    if dropout_p:
+        check_rng_state(rng_state, dropout_p, device)
+    if varlen is not None:
+        cu_q, cu_k, _, _, used_q, used_k = varlen
+        _check_cu_seqlens("cu_seqlens_q", cu_q, None, device)
+        _check_cu_seqlens("cu_seqlens_k", cu_k, cu_q.shape[0] - 1, device)
+        _check_seqused("seqused_q", used_q, cu_q.shape[0] - 1, device)
+        _check_seqused("seqused_k", used_k, cu_q.shape[0] - 1, device)
+    if lse is not None:
+        if not isinstance(lse, torch.Tensor):
+            raise TypeError(f"softmax_lse must be a torch.Tensor, got {type(lse).__name__}")
+        if tuple(lse.shape) != tuple(lse_shape) or lse.dtype != torch.float32:
+            raise ValueError(f"softmax_lse must be float32 of shape {tuple(lse_shape)}, got {lse.dtype} "
+                             f"{tuple(lse.shape)}")
+        if lse.device != device:
+            raise ValueError(f"softmax_lse must be on q's device {device}, got {lse.device}")

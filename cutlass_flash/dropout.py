@@ -30,8 +30,10 @@ ROUNDS = DROPOUT_PHILOX_ROUNDS  # csrc/generate.py's, as the kernels' kPhiloxRou
 def new_rng_state(device):
     """(seed, offset) for one call, int64 on `device`, drawn from torch's generator for that
     device: reproducible under torch.manual_seed, and inside a CUDA graph each replay draws anew
-    (the kernels read the values from device memory)."""
-    return torch.empty(2, dtype=torch.int64, device=device).random_()
+    (the kernels read the values from device memory). torch.randint rather than Tensor.random_:
+    torch.compile traces it (fullgraph, and the graph keeps it: random ops are not merged or
+    recomputed)."""
+    return torch.randint(0, 2**63 - 1, (2,), dtype=torch.int64, device=device)
 
 
 def keep_threshold(dropout_p):

@@ -10,13 +10,19 @@ buffers the caller passes. Same names, argument order and results as `flash_attn
                          None, False)
 
 and their variable-length twins `_flash_attn_varlen_forward` / `_flash_attn_varlen_backward`
-(cu_seqlens_q may differ from cu_seqlens_k). No autograd: these run the kernels directly (eager;
-torch.compile sees them as opaque calls).
+(cu_seqlens_q may differ from cu_seqlens_k). No autograd. Eager calls run the kernels directly;
+under torch.compile (or any tracing) they go through custom ops of the same names
+(torch.ops.cutlass_flash._flash_attn_forward, ...; the backwards mutate dq, dk, dv), as
+flash-attn >= 2.7 registers its own, so a compiled ring-attention step traces them.
 """
+
+from typing import Optional
 
 import torch
 
 from . import _dispatch, _ops, _validate
+
+_Tensor = torch.Tensor
 
 __all__ = ["_flash_attn_forward", "_flash_attn_backward", "_flash_attn_varlen_forward",
            "_flash_attn_varlen_backward"]
@@ -26,7 +32,7 @@ __all__ = ["_flash_attn_forward", "_flash_attn_backward", "_flash_attn_varlen_fo
 _SOFTMAX_D_PAD = 128
 
 
-def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left=-1,
+def _eager_flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left=-1,
                         window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False):
     """(out, softmax_lse, S_dmask, rng_state), as FlashAttention-2's.
 
@@ -42,7 +48,7 @@ def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_l
         raise NotImplementedError("cutlass_flash: return_softmax=True is not supported")
     dropout_p, rng_state = _ops._dropout_args(dropout_p, q.device)
     out, lse = _ops._fwd_impl(q.detach(), k.detach(), v.detach(), scale, left, right,
-                              _dispatch._forced_arch, softcap=float(softcap), alibi_slopes=alibi_slopes,
+                              _dispatch.forced_arch(), softcap=float(softcap), alibi_slopes=alibi_slopes,
                               dropout_p=dropout_p, rng_state=rng_state)
     return out, lse, q.new_empty((0,)), _rng_state_out(rng_state, q.device)
 
@@ -75,7 +81,7 @@ def _check_backward_args(q, k, v, dout, out, dq, dk, dv, dropout_p, rng_state):
         _check_grad_buffer(name, buf, like)
 
 
-def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale,
+def _eager_flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale,
                          causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
                          alibi_slopes=None, deterministic=False, rng_state=None):
     """Writes the gradients of attention(q, k, v) for dout into dq, dk, dv (new tensors where
@@ -89,7 +95,7 @@ def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p,
                                               alibi_slopes, deterministic)
     _check_backward_args(q, k, v, dout, out, dq, dk, dv, dropout_p, rng_state)
     dq, dk, dv = _ops._bwd_impl(dout.detach(), q.detach(), k.detach(), v.detach(), out.detach(),
-                                softmax_lse, scale, left, right, _dispatch._forced_arch,
+                                softmax_lse, scale, left, right, _dispatch.forced_arch(),
                                 deterministic, dq, dk, dv, softcap=float(softcap),
                                 alibi_slopes=alibi_slopes, dropout_p=float(dropout_p),
                                 rng_state=rng_state if dropout_p > 0 else None)
@@ -106,7 +112,7 @@ def _unsupported_varlen(block_table=None, leftpad_k=None):
             raise NotImplementedError(f"cutlass_flash: {name} is not supported yet (pass None)")
 
 
-def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+def _eager_flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                dropout_p, softmax_scale, causal, window_size_left=-1,
                                window_size_right=-1, softcap=0.0, alibi_slopes=None,
                                return_softmax=False, block_table=None, leftpad_k=None,
@@ -124,13 +130,13 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
         raise NotImplementedError("cutlass_flash: return_softmax=True is not supported")
     dropout_p, rng_state = _ops._dropout_args(dropout_p, q.device)
     out, lse = _ops._varlen_fwd_impl(q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k,
-                                     max_q, max_k, scale, left, right, _dispatch._forced_arch,
+                                     max_q, max_k, scale, left, right, _dispatch.forced_arch(),
                                      softcap=float(softcap), alibi_slopes=alibi_slopes,
                                      dropout_p=dropout_p, rng_state=rng_state, seqused_k=seqused_k)
     return out, lse, q.new_empty((0,)), _rng_state_out(rng_state, q.device)
 
 
-def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q,
+def _eager_flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q,
                                 cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                                 causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
                                 alibi_slopes=None, deterministic=False, rng_state=None,
@@ -147,7 +153,7 @@ def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_
     _check_backward_args(q, k, v, dout, out, dq, dk, dv, dropout_p, rng_state)
     _ops._varlen_bwd_impl(dout.detach(), q.detach(), k.detach(), v.detach(), out.detach(),
                           softmax_lse, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, left, right,
-                          _dispatch._forced_arch, deterministic, dq, dk, dv, softcap=float(softcap),
+                          _dispatch.forced_arch(), deterministic, dq, dk, dv, softcap=float(softcap),
                           alibi_slopes=alibi_slopes, dropout_p=float(dropout_p),
                           rng_state=rng_state if dropout_p > 0 else None, seqused_k=seqused_k)
     total_q, nheads, _ = q.shape
@@ -159,3 +165,143 @@ def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_
     softmax_d[:, rows + _SOFTMAX_D_PAD * seq] = (dout.float() * out.float()).sum(-1).t()
     return softmax_d
 
+
+
+# -- The custom ops (what tracing sees) and the public functions -------------------------------
+
+
+def _rng_state_like(dropout_p, device):
+    return torch.empty((2,) if dropout_p > 0 else (0,), dtype=torch.int64, device=device)
+
+
+@torch.library.custom_op("cutlass_flash::_flash_attn_forward", mutates_args=())
+def _forward_op(q: _Tensor, k: _Tensor, v: _Tensor, dropout_p: float, softmax_scale: Optional[float],
+                causal: bool, window_size_left: int = -1, window_size_right: int = -1, softcap: float = 0.0,
+                alibi_slopes: Optional[_Tensor] = None, return_softmax: bool = False
+                ) -> tuple[_Tensor, _Tensor, _Tensor, _Tensor]:
+    return _eager_flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left,
+                                     window_size_right, softcap, alibi_slopes, return_softmax)
+
+
+@_forward_op.register_fake
+def _(q, k, v, dropout_p, softmax_scale, causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
+      alibi_slopes=None, return_softmax=False):
+    batch, seqlen_q, nheads, _ = q.shape
+    return (q.new_empty(q.shape), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32),
+            q.new_empty((0,)), _rng_state_like(dropout_p, q.device))
+
+
+@torch.library.custom_op("cutlass_flash::_flash_attn_backward", mutates_args=("dq", "dk", "dv"))
+def _backward_op(dout: _Tensor, q: _Tensor, k: _Tensor, v: _Tensor, out: _Tensor, softmax_lse: _Tensor,
+                 dq: Optional[_Tensor], dk: Optional[_Tensor], dv: Optional[_Tensor], dropout_p: float,
+                 softmax_scale: Optional[float], causal: bool, window_size_left: int = -1,
+                 window_size_right: int = -1, softcap: float = 0.0, alibi_slopes: Optional[_Tensor] = None,
+                 deterministic: bool = False, rng_state: Optional[_Tensor] = None) -> _Tensor:
+    return _eager_flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale,
+                                      causal, window_size_left, window_size_right, softcap, alibi_slopes,
+                                      deterministic, rng_state)
+
+
+@_backward_op.register_fake
+def _(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size_left=-1,
+      window_size_right=-1, softcap=0.0, alibi_slopes=None, deterministic=False, rng_state=None):
+    batch, seqlen_q, nheads, _ = q.shape
+    rounded = -(-seqlen_q // _SOFTMAX_D_PAD) * _SOFTMAX_D_PAD
+    return q.new_empty((batch, nheads, rounded), dtype=torch.float32)
+
+
+@torch.library.custom_op("cutlass_flash::_flash_attn_varlen_forward", mutates_args=())
+def _varlen_forward_op(q: _Tensor, k: _Tensor, v: _Tensor, cu_seqlens_q: _Tensor, cu_seqlens_k: _Tensor,
+                       max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: Optional[float],
+                       causal: bool, window_size_left: int = -1, window_size_right: int = -1,
+                       softcap: float = 0.0, alibi_slopes: Optional[_Tensor] = None,
+                       return_softmax: bool = False, block_table: Optional[_Tensor] = None,
+                       leftpad_k: Optional[_Tensor] = None, seqused_k: Optional[_Tensor] = None,
+                       zero_tensors: bool = False) -> tuple[_Tensor, _Tensor, _Tensor, _Tensor]:
+    return _eager_flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                            dropout_p, softmax_scale, causal, window_size_left,
+                                            window_size_right, softcap, alibi_slopes, return_softmax,
+                                            block_table, leftpad_k, seqused_k, zero_tensors)
+
+
+@_varlen_forward_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+      window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False,
+      block_table=None, leftpad_k=None, seqused_k=None, zero_tensors=False):
+    total_q, nheads, _ = q.shape
+    return (q.new_empty(q.shape), q.new_empty((nheads, total_q), dtype=torch.float32), q.new_empty((0,)),
+            _rng_state_like(dropout_p, q.device))
+
+
+@torch.library.custom_op("cutlass_flash::_flash_attn_varlen_backward", mutates_args=("dq", "dk", "dv"))
+def _varlen_backward_op(dout: _Tensor, q: _Tensor, k: _Tensor, v: _Tensor, out: _Tensor, softmax_lse: _Tensor,
+                        dq: Optional[_Tensor], dk: Optional[_Tensor], dv: Optional[_Tensor],
+                        cu_seqlens_q: _Tensor, cu_seqlens_k: _Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                        dropout_p: float, softmax_scale: Optional[float], causal: bool,
+                        window_size_left: int = -1, window_size_right: int = -1, softcap: float = 0.0,
+                        alibi_slopes: Optional[_Tensor] = None, deterministic: bool = False,
+                        rng_state: Optional[_Tensor] = None, zero_tensors: bool = False,
+                        seqused_k: Optional[_Tensor] = None) -> _Tensor:
+    return _eager_flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q,
+                                             cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                             softmax_scale, causal, window_size_left, window_size_right,
+                                             softcap, alibi_slopes, deterministic, rng_state, zero_tensors,
+                                             seqused_k)
+
+
+@_varlen_backward_op.register_fake
+def _(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+      dropout_p, softmax_scale, causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
+      alibi_slopes=None, deterministic=False, rng_state=None, zero_tensors=False, seqused_k=None):
+    total_q, nheads, _ = q.shape
+    batch = cu_seqlens_q.shape[0] - 1
+    return q.new_empty((nheads, total_q + _SOFTMAX_D_PAD * batch), dtype=torch.float32)
+
+
+def _traced(q, k, v):
+    return not _ops._plain_eager(q, k, v)
+
+
+def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left=-1,
+                        window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False):
+    run = _forward_op if _traced(q, k, v) else _eager_flash_attn_forward
+    return run(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
+               alibi_slopes, return_softmax)
+
+
+def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale,
+                         causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
+                         alibi_slopes=None, deterministic=False, rng_state=None):
+    run = _backward_op if _traced(q, k, v) else _eager_flash_attn_backward
+    return run(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+               window_size_left, window_size_right, softcap, alibi_slopes, deterministic, rng_state)
+
+
+def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               dropout_p, softmax_scale, causal, window_size_left=-1,
+                               window_size_right=-1, softcap=0.0, alibi_slopes=None,
+                               return_softmax=False, block_table=None, leftpad_k=None,
+                               seqused_k=None, zero_tensors=False):
+    run = _varlen_forward_op if _traced(q, k, v) else _eager_flash_attn_varlen_forward
+    return run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+               causal, window_size_left, window_size_right, softcap, alibi_slopes, return_softmax,
+               block_table, leftpad_k, seqused_k, zero_tensors)
+
+
+def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q,
+                                cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                                causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
+                                alibi_slopes=None, deterministic=False, rng_state=None,
+                                zero_tensors=False, seqused_k=None):
+    run = _varlen_backward_op if _traced(q, k, v) else _eager_flash_attn_varlen_backward
+    return run(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+               max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
+               alibi_slopes, deterministic, rng_state, zero_tensors, seqused_k)
+
+
+for _public, _eager in ((_flash_attn_forward, _eager_flash_attn_forward),
+                        (_flash_attn_backward, _eager_flash_attn_backward),
+                        (_flash_attn_varlen_forward, _eager_flash_attn_varlen_forward),
+                        (_flash_attn_varlen_backward, _eager_flash_attn_varlen_backward)):
+    _public.__doc__ = _eager.__doc__
+del _public, _eager

@@ -14,6 +14,7 @@ tolerances, compile, graphs), saying nothing about the kernels.
 
 import functools
 import os
+import threading
 import sys
 
 import pytest
@@ -126,7 +127,8 @@ def fake_backend(monkeypatch):
     monkeypatch.setattr(_dispatch, "_device_name", lambda device: "Fake GPU")
     monkeypatch.setattr(_dispatch, "current_stream", lambda device: 0)
     monkeypatch.setattr(_dispatch, "current_device", lambda: None)
-    monkeypatch.setattr(_dispatch, "_forced_arch", 0)
+    monkeypatch.setattr(_dispatch, "_default_arch", 0)
+    monkeypatch.setattr(_dispatch, "_thread_arch", threading.local())
     _dispatch.reset_caches()
     yield fake
     _dispatch.reset_caches()

@@ -15,7 +15,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(cutlass_flash.__file
 
 # Every valid head dim and the instantiated head dim it is padded to.
 PADDING_TABLE = {d: (64 if d <= 64 else 96 if d <= 96 else 128 if d <= 128 else 192 if d <= 192
-                     else 256) for d in range(8, 257, 8)}
+                     else 256) for d in range(1, 257)}
 
 
 @pytest.mark.parametrize("head_dim", sorted(PADDING_TABLE))
@@ -24,9 +24,9 @@ def test_padded_head_dim(head_dim):
     assert cutlass_flash.padded_head_dim(head_dim) in cutlass_flash.INSTANTIATED_HEAD_DIMS
 
 
-@pytest.mark.parametrize("head_dim", [0, 4, 60, 257, 264, 512])
+@pytest.mark.parametrize("head_dim", [0, -8, 257, 264, 512])
 def test_padded_head_dim_rejects(head_dim):
-    with pytest.raises(ValueError, match="multiple of 8"):
+    with pytest.raises(ValueError, match="between 1 and 256"):
         cutlass_flash.padded_head_dim(head_dim)
 
 
@@ -47,7 +47,6 @@ def _qkv(b=2, sq=16, sk=24, h=4, hkv=2, d=64, dtype=torch.bfloat16):
         ((8, 0), 0, (80, 90), 80),   # auto on sm80
         ((8, 6), 0, (80, 90), 80),
         ((8, 9), 0, (80, 90), 80),
-        ((10, 0), 0, (80, 90), 80),  # wgmma kernels are sm90-only
         ((9, 0), 80, (80, 90), 80),  # forced
         ((9, 0), 90, (80, 90), 90),
     ],
@@ -60,7 +59,18 @@ def test_resolve_arch(fake_backend, cap, requested, built_archs, expected):
         assert got == expected
 
 
-@pytest.mark.parametrize("cap", [(8, 0), (8, 6), (10, 0)])
+@pytest.mark.parametrize("cap", [(10, 0), (10, 3), (12, 0)])
+@pytest.mark.parametrize("arch", [0, 80, 90])
+def test_blackwell_is_refused_before_any_launch(fake_backend, cap, arch):
+    fake_backend.set_capability(cap)
+    q, k, v = _qkv()
+    with cutlass_flash.force_arch(arch), pytest.raises(
+            NotImplementedError, match=rf"Fake GPU, sm{cap[0]}{cap[1]}\) is not supported yet"):
+        flash_attn_func(q, k, v)
+    assert fake_backend.calls == []
+
+
+@pytest.mark.parametrize("cap", [(8, 0), (8, 6), (8, 9)])
 def test_forcing_sm90_needs_sm90(fake_backend, cap):
     fake_backend.set_capability(cap)
     q, k, v = _qkv()

@@ -33,7 +33,6 @@ Status ensure_smem_limit(int smem_bytes) {
   return s;
 }
 
-inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 // An attribute of the current device, queried once per device (persistent grids size themselves
 // by the multiprocessor count on every call).
@@ -51,6 +50,32 @@ Status device_attribute(int& value, const char* what) {
 
 inline Status multiprocessor_count(int& count) {
   return device_attribute<cudaDevAttrMultiProcessorCount>(count, "cudaDeviceGetAttribute(MultiProcessorCount)");
+}
+
+inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// kNotBuilt (NotImplementedError in Python) before anything is launched when a kernel's tile needs
+// more shared memory per block than the device has: the sm80 family's tiles are sized for the
+// 163 KiB of an A100 (the sm90 family's for the 227 KiB of an H100), and GPUs of compute
+// capability 8.6 / 8.9 (RTX 30xx / 40xx, A10, L4, L40S) have 99 KiB: there
+// cudaFuncSetAttribute would fail with a bare "invalid argument".
+inline Status check_smem_fits(int smem_bytes, const char* what) {
+  int limit = 0;
+  if (Status s = device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(
+          limit, "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)");
+      !s.ok())
+    return s;
+  if (smem_bytes <= limit) return Status::Ok();
+  int device = 0;
+  cudaDeviceProp prop{};
+  if (cudaGetDevice(&device) != cudaSuccess || cudaGetDeviceProperties(&prop, device) != cudaSuccess)
+    prop.name[0] = '\0';
+  return {Status::kNotBuilt,
+          std::string("cutlass_flash: the ") + what + " needs " + std::to_string(smem_bytes / 1024) +
+              " KiB of shared memory per block, and " + (prop.name[0] ? prop.name : "this GPU") + " (sm" +
+              std::to_string(prop.major) + std::to_string(prop.minor) + ") has " + std::to_string(limit / 1024) +
+              " KiB; this build has no smaller tile configuration of it for this GPU (kernels whose tiles fit, "
+              "at smaller head dims or the forward alone, still run)"};
 }
 
 }  // namespace cutlass_flash

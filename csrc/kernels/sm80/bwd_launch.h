@@ -19,6 +19,7 @@ Status run_bwd(const BwdParams& params, cudaStream_t stream) {
   using Traits = BwdTraits<kHeadDim, kTile.block_m, kTile.block_n, kTile.warps, kTile.atom_m_sdp, kTile.atom_n_dkv,
                            kTile.atom_m_dq, kTile.q_stages, Element, kTile.late_offsets>;
   const AttnProblem& p = params.problem;
+  if (Status s = check_smem_fits(Traits::kSmemBytes, "sm80 backward"); !s.ok()) return s;
   // A packed batch: its query rows (preprocess, dQ conversion) and key blocks (main kernel) are
   // listed first, so that every grid covers the real tiles (common/varlen_tiles.h).
   VarlenTiles rows;

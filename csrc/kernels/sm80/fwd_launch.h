@@ -16,6 +16,7 @@ Status run_fwd(const FwdParams& params, cudaStream_t stream) {
   constexpr FwdTile kTile = fwd_tile(kHeadDim);
   using Traits = FwdTraits<kHeadDim, kTile.block_m, kTile.block_n, kTile.warps, Element>;
   constexpr auto kernel = fwd_kernel<FwdMainloop<Traits>, FwdEpilogue<Traits>, GridTileScheduler>;
+  if (Status s = check_smem_fits(Traits::kSmemBytes, "sm80 forward"); !s.ok()) return s;
   if (Status s = ensure_smem_limit<kernel>(Traits::kSmemBytes); !s.ok()) return s;
   const AttnProblem& p = params.problem;
   // A packed batch: its query blocks are listed first (common/varlen_tiles.h), one block each.

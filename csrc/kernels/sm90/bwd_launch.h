@@ -74,6 +74,7 @@ Status run_bwd_mainloop(const BwdParams& params, cudaStream_t stream) {
   const AttnProblem& p = params.problem;
   for (auto [ref, name] : {std::pair{&params.q, "q"}, {&params.k, "k"}, {&params.v, "v"}, {&params.dout, "dout"}})
     if (Status s = check_tma_ref<Element>(*ref, name, "backward"); !s.ok()) return s;
+  if (Status s = check_smem_fits(Traits::kSmemBytes, "sm90 backward"); !s.ok()) return s;
 
   // A packed batch: its query rows (preprocess, dQ conversion) and key blocks (main kernel) are
   // listed first, so that every grid covers the real tiles (common/varlen_tiles.h), and the rows

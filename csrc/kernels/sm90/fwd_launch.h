@@ -64,6 +64,7 @@ Status run_fwd_traits(const FwdParams& params, cudaStream_t stream, int tile_gro
   const AttnProblem& p = params.problem;
   for (auto [ref, name] : {std::pair{&params.q, "q"}, {&params.k, "k"}, {&params.v, "v"}, {&params.o, "out"}})
     if (Status s = check_tma_ref<Element>(*ref, name, "forward"); !s.ok()) return s;
+  if (Status s = check_smem_fits(Traits::kSmemBytes, "sm90 forward"); !s.ok()) return s;
   FwdKernelParams<Traits> kp = fwd_kernel_params<Traits>(params);
 
   int grid = 0;
