@@ -58,7 +58,7 @@ AttnProblem problem(int batch, int seqlen_q, int seqlen_k, int nheads, int nhead
                     float softmax_scale, int window_left, int window_right, float softcap,
                     const std::string& dtype, uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, int total_q,
                     int total_k, uintptr_t alibi_slopes, int64_t alibi_batch_stride, float dropout_p, uintptr_t rng_state,
-                    uintptr_t seqused_q, uintptr_t seqused_k) {
+                    uintptr_t seqused_q, uintptr_t seqused_k, int head_dim_real) {
   AttnProblem p;
   p.batch = batch;
   p.seqlen_q = seqlen_q;
@@ -66,6 +66,7 @@ AttnProblem problem(int batch, int seqlen_q, int seqlen_k, int nheads, int nhead
   p.nheads = nheads;
   p.nheads_kv = nheads_kv;
   p.head_dim = head_dim;
+  p.head_dim_real = head_dim_real;
   p.softmax_scale = softmax_scale;
   p.window_left = window_left;
   p.window_right = window_right;
@@ -114,13 +115,13 @@ void fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, uin
          uintptr_t workspace, int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_kv, int head_dim,
          float softmax_scale, int window_left, int window_right, float softcap, const std::string& dtype,
          uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, int total_q, int total_k, uintptr_t alibi_slopes,
-         int64_t alibi_batch_stride, float dropout_p, uintptr_t rng_state, uintptr_t seqused_q, uintptr_t seqused_k,
+         int64_t alibi_batch_stride, float dropout_p, uintptr_t rng_state, uintptr_t seqused_q, uintptr_t seqused_k, int head_dim_real,
          int arch, uintptr_t stream) {
   FwdParams params;
   set_common(params, q, k, v, o, workspace,
              problem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, softmax_scale,
                      window_left, window_right, softcap, dtype, cu_seqlens_q, cu_seqlens_k, total_q, total_k, alibi_slopes,
-                     alibi_batch_stride, dropout_p, rng_state, seqused_q, seqused_k));
+                     alibi_batch_stride, dropout_p, rng_state, seqused_q, seqused_k, head_dim_real));
   params.lse = reinterpret_cast<float*>(lse);
   run_without_gil([&] { return run_fwd(params, arch, as_stream(stream)); });
 }
@@ -130,13 +131,13 @@ void bwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, con
          int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_kv, int head_dim,
          float softmax_scale, int window_left, int window_right, float softcap, const std::string& dtype,
          uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, int total_q, int total_k, uintptr_t alibi_slopes,
-         int64_t alibi_batch_stride, float dropout_p, uintptr_t rng_state, uintptr_t seqused_q, uintptr_t seqused_k,
+         int64_t alibi_batch_stride, float dropout_p, uintptr_t rng_state, uintptr_t seqused_q, uintptr_t seqused_k, int head_dim_real,
          int arch, bool deterministic, uintptr_t stream) {
   BwdParams params;
   set_common(params, q, k, v, o, workspace,
              problem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, softmax_scale,
                      window_left, window_right, softcap, dtype, cu_seqlens_q, cu_seqlens_k, total_q, total_k, alibi_slopes,
-                     alibi_batch_stride, dropout_p, rng_state, seqused_q, seqused_k));
+                     alibi_batch_stride, dropout_p, rng_state, seqused_q, seqused_k, head_dim_real));
   params.dout = tensor(dout);
   params.lse = reinterpret_cast<const float*>(lse);
   params.dq = tensor(dq);
@@ -152,10 +153,10 @@ size_t workspace_bytes(int batch, int seqlen_q, int seqlen_k, int nheads, int nh
                        int head_dim, float softmax_scale, int window_left, int window_right,
                        float softcap, const std::string& dtype, uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k,
                        int total_q, int total_k, uintptr_t alibi_slopes, int64_t alibi_batch_stride, float dropout_p, uintptr_t rng_state,
-                       uintptr_t seqused_q, uintptr_t seqused_k, int arch, bool deterministic) {
+                       uintptr_t seqused_q, uintptr_t seqused_k, int head_dim_real, int arch, bool deterministic) {
   const AttnProblem p = problem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, softmax_scale, window_left,
                                 window_right, softcap, dtype, cu_seqlens_q, cu_seqlens_k, total_q, total_k,
-                                alibi_slopes, alibi_batch_stride, dropout_p, rng_state, seqused_q, seqused_k);
+                                alibi_slopes, alibi_batch_stride, dropout_p, rng_state, seqused_q, seqused_k, head_dim_real);
   check(dispatch::check_problem(p, arch, kDir));
   return kDir == Direction::kForward ? fwd_workspace_bytes(p, arch) : bwd_workspace_bytes(p, arch, deterministic);
 }
@@ -164,11 +165,11 @@ size_t fwd_workspace_bytes_py(int batch, int seqlen_q, int seqlen_k, int nheads,
                               float softmax_scale, int window_left, int window_right, float softcap,
                               const std::string& dtype, uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k,
                               int total_q, int total_k, uintptr_t alibi_slopes, int64_t alibi_batch_stride, float dropout_p, uintptr_t rng_state,
-                              uintptr_t seqused_q, uintptr_t seqused_k, int arch) {
+                              uintptr_t seqused_q, uintptr_t seqused_k, int head_dim_real, int arch) {
   return workspace_bytes<Direction::kForward>(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim,
                                               softmax_scale, window_left, window_right, softcap, dtype,
                                               cu_seqlens_q, cu_seqlens_k, total_q, total_k, alibi_slopes,
-                                              alibi_batch_stride, dropout_p, rng_state, seqused_q, seqused_k, arch, false);
+                                              alibi_batch_stride, dropout_p, rng_state, seqused_q, seqused_k, head_dim_real, arch, false);
 }
 
 py::list built() {
@@ -199,7 +200,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("cu_seqlens_q") = 0, py::arg("cu_seqlens_k") = 0, py::arg("total_q") = 0,          \
       py::arg("total_k") = 0, py::arg("alibi_slopes") = 0, py::arg("alibi_batch_stride") = 0,    \
       py::arg("dropout_p") = 0.f, py::arg("rng_state") = 0, py::arg("seqused_q") = 0,              \
-      py::arg("seqused_k") = 0
+      py::arg("seqused_k") = 0, py::arg("head_dim_real") = 0
 
   m.def("fwd", &fwd, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"), py::arg("lse_ptr"),
         py::arg("workspace_ptr"), py::kw_only(), CUTLASS_FLASH_PROBLEM_ARGS, py::arg("arch"),

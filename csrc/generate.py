@@ -77,6 +77,10 @@ class Family:
     fwd_workspace_bytes: int = 0
     # Directions whose kernels take variable-length batches (AttnProblem::cu_seqlens_q / _k).
     varlen: Tuple[str, ...] = ()
+    # Directions whose kernels read and write tensors narrower than their tile
+    # (AttnProblem::head_dim_real: a head dim between instantiated ones runs without a padded
+    # copy). The others are given copies padded to the tile's width (cutlass_flash/_ops.py).
+    narrow_head_dim: Tuple[str, ...] = ()
     # Directions whose kernels take softcap and ALiBi in one call at every head dim: the forwards
     # (both families checked on an H100, the sm80 one in its sm_90 machine code). Backwards that
     # recover tanh's value from P cannot, as the bias shifts P; adding it back cost the softcap
@@ -122,6 +126,8 @@ FAMILIES: Tuple[Family, ...] = (
     Family(arch=80, directions=("fwd", "bwd"), head_dims=HEAD_DIMS,
            sass_default=("80", "90"),
            sass_allowed=tuple(s for s in KNOWN_SASS if s != "90a"),
+           # No narrow_head_dim: predicating the cp.async loads by column took the backward at
+           # d = 64 (255 registers) from 0 to 4 B of spills, and 4 to 12 B in its packed kernel.
            varlen=("fwd", "bwd")),
     # Hopper (FlashAttention-3-style: TMA, wgmma, warp specialization). wgmma and setmaxnreg
     # exist only in the arch-specific sm_90a target.
@@ -139,7 +145,10 @@ FAMILIES: Tuple[Family, ...] = (
            bwd_walks_up=True,
            softcap_alibi_bwd_head_dims=tuple(d for d in HEAD_DIMS if d >= 96),
            # TMA over the packed tensors from each sequence's first row; O by predicated stores.
-           varlen=("fwd", "bwd")),
+           varlen=("fwd", "bwd"),
+           # TMA descriptors of the tensors' own width fill the tiles' other columns with zeros
+           # (loads) and leave them out (stores); the direct stores check the column.
+           narrow_head_dim=("fwd", "bwd")),
 )
 FAMILY_BY_ARCH: Dict[int, Family] = {f.arch: f for f in FAMILIES}
 
@@ -372,6 +381,10 @@ FWD_WORKSPACE_ALIGN = {FWD_WORKSPACE_ALIGN}
 
 #: family arch -> directions whose kernels take variable-length batches (cu_seqlens).
 VARLEN = {{{', '.join(f"{f.arch}: {f.varlen!r}" for f in FAMILIES)}}}
+
+#: family arch -> directions whose kernels take tensors narrower than their tile (head_dim_real):
+#: the others are given zero-padded copies.
+NARROW_HEAD_DIM = {{{', '.join(f"{f.arch}: {f.narrow_head_dim!r}" for f in FAMILIES)}}}
 
 #: family arch -> {{direction: head dims whose kernels take softcap and alibi_slopes in one call}}.
 SOFTCAP_ALIBI = {{{', '.join(f"{f.arch}: {{{', '.join(f'{d!r}: {f.softcap_alibi_dims(d)!r}' for d in f.directions)}}}" for f in FAMILIES)}}}
@@ -750,6 +763,8 @@ def dispatch_table_source(insts: Sequence[Instantiation], knobs: Knobs) -> str:
                      f"{'true' if 'bwd' in f.directions else 'false'}, kFamilyHeadDims{f.arch}, "
                      f"{len(f.head_dims)}, {_cxx_str(f.sass_knob)}, {f.fwd_workspace_bytes}, "
                      f"{'true' if 'fwd' in f.varlen else 'false'}, {'true' if 'bwd' in f.varlen else 'false'}, "
+                     f"{'true' if 'fwd' in f.narrow_head_dim else 'false'}, "
+                     f"{'true' if 'bwd' in f.narrow_head_dim else 'false'}, "
                      f"{', '.join(f'{n}, {c}' for n, c in (softcap_alibi[(f.arch, 'fwd')], softcap_alibi[(f.arch, 'bwd')]))}}},")
     lines += ["};", ""]
     lines.append(f"const int kArchs[] = {{{', '.join(map(str, knobs.archs))}}};")

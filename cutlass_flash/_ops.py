@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _dispatch, _validate, dropout
+from ._catalog import NARROW_HEAD_DIM
 
 _Tensor = torch.Tensor
 
@@ -42,7 +43,9 @@ def _ref4(t):
 
 def _problem(q, k, head_dim, softmax_scale, window_left, window_right, dtype_name, softcap=0.0,
              varlen=None, alibi_slopes=None, dropout_p=0.0, rng_state=None):
-    batch, seqlen_q, nheads, _ = q.shape
+    """The binding's problem arguments; head_dim: the kernels' (instantiated) width, q's own the
+    columns in memory (head_dim_real when narrower)."""
+    batch, seqlen_q, nheads, cols = q.shape
     problem = dict(
         batch=batch,
         seqlen_q=seqlen_q,
@@ -56,6 +59,8 @@ def _problem(q, k, head_dim, softmax_scale, window_left, window_right, dtype_nam
         softcap=softcap,
         dtype=dtype_name,
     )
+    if cols != head_dim:
+        problem["head_dim_real"] = cols
     if alibi_slopes is not None:  # (nheads,) or (batch, nheads): one slope per head, or per both
         problem.update(alibi_slopes=alibi_slopes.data_ptr(),
                        alibi_batch_stride=alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0)
@@ -85,8 +90,18 @@ def _no_work(varlen):
     return varlen is not None and (varlen[2] == 0 or varlen[3] == 0)
 
 
+def _head_pad(arch, direction, head_dim, padded):
+    """Zero columns to append to q, k, v (a copy) for the kernels of ``arch`` at tile width
+    ``padded``: those that take narrower tensors (the generator's NARROW_HEAD_DIM; they fill the
+    tile's other columns on chip) need rows of whole 16-byte vectors only, a multiple of 8
+    columns; the others the tile's width."""
+    if direction in NARROW_HEAD_DIM.get(arch, ()):
+        return -head_dim % 8
+    return padded - head_dim
+
+
 def _kernel_input(t, pad):
-    """``t`` as the kernels read it: zero-padded to the instantiated head dim (a new tensor), or a
+    """``t`` as the kernels read it: zero-padded to a multiple of 8 columns (a new tensor), or a
     contiguous copy when its layout is one the kernels cannot read (a broadcast stride 0 from
     expand(), a non-contiguous last dim, rows not 16-byte aligned), else ``t`` itself."""
     if pad:
@@ -142,10 +157,10 @@ def _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, determini
     _validate.check_family_features(arch, "fwd", padded, softcap, alibi_slopes)
     C = _dispatch.lib()
 
-    pad = padded - head_dim
+    pad = _head_pad(arch, "fwd", head_dim, padded)
     q, k, v = _kernel_input(q, pad), _kernel_input(k, pad), _kernel_input(v, pad)
     q, softmax_scale = _kernel_query(q, softmax_scale)
-    out = torch.empty((batch, seqlen_q, nheads, padded), dtype=q.dtype, device=device)
+    out = torch.empty((batch, seqlen_q, nheads, head_dim + pad), dtype=q.dtype, device=device)
     lse = torch.empty(_lse_shape(q, varlen), dtype=torch.float32, device=device)
     for b0, b1 in _batch_slices(batch, seqlen_q, nheads, varlen):
         whole = b1 - b0 == batch
@@ -236,7 +251,7 @@ def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
     _validate.check_family_features(arch, "bwd", padded, softcap, alibi_slopes)
     C = _dispatch.lib()
 
-    pad = padded - head_dim
+    pad = _head_pad(arch, "bwd", head_dim, padded)
     q, k, v, out, dout = (_kernel_input(t, pad) for t in (q, k, v, out, dout))
     q, kernel_scale = _kernel_query(q, softmax_scale)
     lse = lse.contiguous()
@@ -246,9 +261,10 @@ def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
             return dest
         return torch.empty(shape, dtype=q.dtype, device=device)
 
-    dq = target(dq, (batch, seqlen_q, nheads, padded))
-    dk = target(dk, (batch, seqlen_k, nheads_kv, padded))
-    dv = target(dv, (batch, seqlen_k, nheads_kv, padded))
+    cols = head_dim + pad
+    dq = target(dq, (batch, seqlen_q, nheads, cols))
+    dk = target(dk, (batch, seqlen_k, nheads_kv, cols))
+    dv = target(dv, (batch, seqlen_k, nheads_kv, cols))
     for b0, b1 in _batch_slices(batch, seqlen_q, nheads, varlen):
         whole = b1 - b0 == batch
         qs, ks, vs, os_, dos, dqs, dks, dvs, lses = (

@@ -121,24 +121,22 @@ def head_dims():
     return tuple(sorted(set(inst) | set(PADDED_HEAD_DIMS)))
 
 
-def missing_kernels(case):
-    """The (arch, direction, head_dim, dtype) kernels a case needs and the build lacks."""
+def missing_kernels(case, device=None):
+    """[(direction, why)] for the calls of a case this build cannot run, as the dispatch itself
+    decides (_dispatch.resolve_arch: its rules are not copied here); device: the GPU by default
+    (the fake binding's tests pass theirs)."""
     import cutlass_flash
-
-    built = set(built_kernels() or ())
-    hd = cutlass_flash.padded_head_dim(case.head_dim)
     from cutlass_flash import _dispatch
 
-    if case.arch == 0:
-        # Auto: a family this GPU runs that has the kernel (_dispatch.resolve_arch picks among
-        # them); there is no (0, ...) kernel to look for.
-        return [(max(kernel_archs()), d, hd, case.dtype) for d in ("fwd", "bwd")
-                if not any((a, d, hd, case.dtype) in built for a in kernel_archs())]
-    dims = _dispatch.FAMILIES.get(case.arch, {})
-    arch = {d: case.arch if hd in dims.get(d, (hd,)) else _dispatch.FALLBACK_ARCH
-            for d in ("fwd", "bwd")}
-    need = [(arch[d], d, hd, case.dtype) for d in ("fwd", "bwd")]
-    return [k for k in need if k not in built]
+    device = torch.device("cuda") if device is None else torch.device(device)
+    hd = cutlass_flash.padded_head_dim(case.head_dim)
+    missing = []
+    for direction in ("fwd", "bwd"):
+        try:
+            _dispatch.resolve_arch(case.arch, direction, hd, case.dtype, device)
+        except NotImplementedError as e:
+            missing.append((direction, str(e)))
+    return missing
 
 
 # ---------------------------------------------------------------------------------------------

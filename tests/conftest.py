@@ -6,6 +6,8 @@ no compiled cutlass_flash._C. Everything else runs on CPU.
     python -m pytest -q tests                      # CPU tests + the fast GPU subset
     python -m pytest -q tests --full               # the whole GPU grid
     CUTLASS_FLASH_FULL_TESTS=1 python -m pytest -q tests
+    python -m pytest -q tests --strict-gpu         # a GPU run of a full build: GPU tests that
+                                                   # would skip (no GPU, kernel not built) fail
 
 CUTLASS_FLASH_TEST_FAKE_BINDING=1 replaces the compiled kernels by the float64 reference of
 tests/fake_c.py, on the GPU: a check of the test harness itself (poisoning, references,
@@ -25,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cases import FULL_ENV, full_grid  # noqa: E402
 
 FAKE_BINDING_ENV = "CUTLASS_FLASH_TEST_FAKE_BINDING"
+STRICT_ENV = "CUTLASS_FLASH_STRICT_GPU"
 
 
 def _fake_binding_requested():
@@ -38,9 +41,20 @@ def pytest_addoption(parser):
         default=False,
         help=f"run the whole GPU test grid (same as {FULL_ENV}=1)",
     )
+    parser.addoption(
+        "--strict-gpu",
+        action="store_true",
+        default=False,
+        help=f"GPU tests fail instead of skipping when there is no GPU or a kernel they need is "
+        f"not built (same as {STRICT_ENV}=1): for a GPU run of a full build",
+    )
 
 
 def pytest_configure(config):
+    import gpu_check
+
+    gpu_check.STRICT = config.getoption("--strict-gpu") or os.environ.get(STRICT_ENV, "").strip() not in (
+        "", "0", "false")
     if _fake_binding_requested():
         from cutlass_flash import _dispatch
         from fake_c import FakeC
@@ -82,6 +96,10 @@ def pytest_report_header(config):
             f"{len(cutlass_flash.built_kernels())}"
         )
     lines.append(f"GPU grid: {'full' if full_grid(config) else 'fast'} (--full / {FULL_ENV}=1)")
+    import gpu_check
+
+    if gpu_check.STRICT:
+        lines.append("strict: GPU tests fail where they would skip (--strict-gpu)")
     if _fake_binding_requested():
         lines.append(f"{FAKE_BINDING_ENV}=1: the GPU tests run the float64 REFERENCE binding of "
                      "tests/fake_c.py, not the kernels")
@@ -92,10 +110,21 @@ def pytest_collection_modifyitems(config, items):
     reason = gpu_skip_reason()
     if reason is None:
         return
+    import gpu_check
+
+    if gpu_check.STRICT:  # pytest_runtest_setup fails them instead
+        return
     skip = pytest.mark.skip(reason=reason)
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_setup(item):
+    import gpu_check
+
+    if gpu_check.STRICT and "gpu" in item.keywords and gpu_skip_reason() is not None:
+        pytest.fail(f"--strict-gpu: GPU tests cannot run here: {gpu_skip_reason()}", pytrace=False)
 
 
 @pytest.fixture

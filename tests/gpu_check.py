@@ -29,10 +29,18 @@ def poison_cuda_cache(case, device="cuda", copies=3):
     del blocks  # back to the cache, still holding 0xFF bytes (NaN in fp16, bf16 and fp32)
 
 
+#: Set by conftest (--strict-gpu / CUTLASS_FLASH_STRICT_GPU=1): a kernel a GPU test needs and
+#: the build lacks fails the test instead of skipping it.
+STRICT = False
+
+
 def skip_if_not_built(case):
     missing = missing_kernels(case)
     if missing:
-        pytest.skip(f"kernels not in this build: {missing}")
+        why = f"kernels not in this build: {missing}"
+        if STRICT:
+            pytest.fail(f"--strict-gpu: {why}")
+        pytest.skip(why)
 
 
 def skip_unless_auto_built(head_dim, dtype):

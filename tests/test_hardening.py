@@ -386,10 +386,19 @@ def test_row14_window_size_any_sequence_of_two_ints(device, window):
 
 # -- Row 15 (and 12): head dims that are not instantiated, nor multiples of 8 ----------------------
 
+@pytest.mark.parametrize("arch", [0, 80])
 @pytest.mark.parametrize("head_dim", [1, 3, 59, 80, 111, 200, 255])
-def test_row15_any_head_dim(device, head_dim):
+def test_row15_any_head_dim(device, head_dim, arch):
+    """Head dims between instantiated ones: the sm90 kernels read the tensors' own columns (no
+    copy, row 12), the sm80 ones take zero-padded copies; a head dim that is not a multiple of 8
+    is padded to one (a copy) first."""
     if device == "cuda":
         skip_unless_auto_built(cutlass_flash.padded_head_dim(head_dim), "bf16")
+    with cutlass_flash.force_arch(arch):
+        _check_any_head_dim(device, head_dim)
+
+
+def _check_any_head_dim(device, head_dim):
     B, Sq, Sk, H, Hkv = 2, 33, 50, 4, 2
     q = _randn(B, Sq, H, head_dim, device=device)
     k, v = (_randn(B, Sk, Hkv, head_dim, device=device, seed=s) for s in (1, 2))

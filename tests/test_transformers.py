@@ -4,6 +4,8 @@ sliding window; Gemma 2 with softcap and alternating sliding layers), for padded
 (padding-free) batches, a short training run, and attention dropout in training. On CPU the kernels are the fake binding's float64
 stand-in (the integration's unpad / pad / packing / argument plumbing); on the GPU the kernels."""
 
+import copy
+
 import pytest
 import torch
 
@@ -215,3 +217,61 @@ def test_training(kind):
     """30 training steps: our loss curve matches transformers' own attention's."""
     skip_unless_auto_built(HEAD_DIM, "bf16")
     _check_training(kind, "cuda", steps=30)
+
+
+# -- Softcap that matters, with a tolerance calibrated on its effect --------------------------------
+
+SCALE_QK = 16.0  # query and key projections scaled up: logits a softcap of 5 changes
+
+
+def _gemma2_softcap_errors(device, monkeypatch=None, broken=False):
+    """(max |ours - eager|, max |eager without softcap - eager|) of Gemma 2's logits with attention
+    logits large enough for a softcap of 5 to change them (SCALE_QK). ``broken``: our functions
+    with softcap dropped (a stand-in that ignores it)."""
+    torch.manual_seed(0)
+    config = _config("gemma2")
+    config.attn_logit_softcapping = 5.0
+    ours = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=hf.NAME)
+    with torch.no_grad():
+        for layer in ours.model.layers:
+            layer.self_attn.q_proj.weight.mul_(SCALE_QK)
+            layer.self_attn.k_proj.weight.mul_(SCALE_QK)
+    ours = ours.to(device=device, dtype=torch.bfloat16).eval()
+    # A config of its own: from_config sets the attention implementation on the config object,
+    # which the models read at every forward.
+    ref = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager")
+    config_nocap = _config("gemma2")
+    config_nocap.attn_logit_softcapping = None
+    nocap = transformers.AutoModelForCausalLM.from_config(config_nocap, attn_implementation="eager")
+    for m in (ref, nocap):
+        m.load_state_dict(ours.state_dict())
+    ref, nocap = (m.to(device=device, dtype=torch.bfloat16).eval() for m in (ref, nocap))
+    if broken:  # every forward goes through _ops._fwd_impl (transformers caches the functions)
+        from cutlass_flash import _ops
+
+        real = _ops._fwd_impl
+        monkeypatch.setattr(_ops, "_fwd_impl", lambda *a, **kw: real(*a, **{**kw, "softcap": 0.0}))
+    ids, _ = _batch(device, lengths=(24, 24))
+    with torch.no_grad():
+        a, b, c = (m(input_ids=ids).logits.float() for m in (ours, ref, nocap))
+    return (a - b).abs().max().item(), (c - b).abs().max().item()
+
+
+def _check_gemma2_softcap(device, monkeypatch):
+    err, effect = _gemma2_softcap_errors(device)
+    assert effect > 0.25, f"softcap barely changes these logits ({effect:.3g}): the check could not fail"
+    # Our error must be a small part of the softcap's own effect on the logits ...
+    assert err <= 0.2 * effect, f"max |ours - eager| = {err:.3g} against softcap's effect {effect:.3g}"
+    # ... which a stand-in that ignores softcap cannot meet.
+    broken, _ = _gemma2_softcap_errors(device, monkeypatch, broken=True)
+    assert broken > 0.2 * effect, f"the softcap-ignoring stand-in passed ({broken:.3g} <= 0.2 x {effect:.3g})"
+
+
+def test_gemma2_softcap_is_checked_fake(fake_backend, monkeypatch):
+    _check_gemma2_softcap("cpu", monkeypatch)
+
+
+@pytest.mark.gpu
+def test_gemma2_softcap_is_checked(monkeypatch):
+    skip_unless_auto_built(HEAD_DIM, "bf16")
+    _check_gemma2_softcap("cuda", monkeypatch)

@@ -185,6 +185,9 @@ Status check_problem(const AttnProblem& p, int arch, Direction dir) {
     if (s.value <= 0)
       return make(Status::kInvalidArgument,
                   prefix(dir) + s.name + " = " + to_string(s.value) + " must be positive");
+  if (p.head_dim_real != 0 && (p.head_dim_real < 0 || p.head_dim_real > p.head_dim || p.head_dim_real % 8 != 0))
+    return make(Status::kInvalidArgument, prefix(dir) + "head_dim_real = " + to_string(p.head_dim_real) +
+                                              " must be 0 or a multiple of 8 up to head_dim = " + to_string(p.head_dim));
   if (p.nheads % p.nheads_kv != 0)
     return make(Status::kInvalidArgument, prefix(dir) + "nheads = " + to_string(p.nheads) +
                                               " must be a multiple of nheads_kv = " + to_string(p.nheads_kv));
@@ -229,6 +232,10 @@ Status check_problem(const AttnProblem& p, int arch, Direction dir) {
                                        " at head_dim = " + to_string(p.head_dim) +
                                        " does not take softcap and alibi_slopes together (csrc/generate.py: "
                                        "Family.softcap_alibi says why)");
+  if (p.head_dim_real != 0 && p.head_dim_real != p.head_dim &&
+      !(dir == Direction::kForward ? fam->narrow_fwd : fam->narrow_bwd))
+    return make(Status::kInvalidArgument, prefix(dir) + "the sm" + to_string(arch) + " family's " +
+                                              direction_word(dir) + " takes no head_dim_real (pad the tensors to head_dim)");
   if (p.is_varlen() && !(dir == Direction::kForward ? fam->varlen_fwd : fam->varlen_bwd))
     return make(Status::kNotBuilt, prefix(dir) + "the sm" + to_string(arch) +
                                        " family has no variable-length " + direction_word(dir) + " kernel (cu_seqlens)");

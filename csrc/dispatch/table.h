@@ -33,6 +33,8 @@ struct CatalogFamily {
   size_t fwd_workspace_bytes;
   bool varlen_fwd;  // the forward takes variable-length batches (AttnProblem::cu_seqlens_q / _k)
   bool varlen_bwd;  // the backward does
+  bool narrow_fwd;  // the forward takes tensors narrower than its tile (AttnProblem::head_dim_real)
+  bool narrow_bwd;  // the backward does
   // Head dims whose forward / backward takes softcap and alibi_slopes in one call.
   const int* softcap_alibi_fwd;
   size_t num_softcap_alibi_fwd;

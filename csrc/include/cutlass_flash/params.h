@@ -41,7 +41,12 @@ struct AttnProblem {
   int seqlen_k = 0;
   int nheads = 0;
   int nheads_kv = 0;
-  int head_dim = 0;          // the instantiated head dim; the caller pads smaller ones
+  int head_dim = 0;          // the instantiated head dim (the kernels' tile width)
+  // Columns of q, k, v, o, dout, dq, dk, dv in memory, a multiple of 8 up to head_dim (0: head_dim):
+  // a head dim without kernels of its own runs on the next instantiated one without a padded copy.
+  // The kernels load the real columns, hold zeros in the others (which add nothing to any dot
+  // product) and store the real columns only.
+  int head_dim_real = 0;
   float softmax_scale = 0.f;
   int window_left = -1;
   int window_right = -1;
@@ -74,6 +79,8 @@ struct AttnProblem {
   int total_k = 0;
 
   bool is_causal() const { return window_left < 0 && window_right == 0; }
+  // The columns in memory (head_dim_real, else head_dim).
+  constexpr int cols() const { return head_dim_real > 0 ? head_dim_real : head_dim; }
   constexpr bool is_varlen() const { return cu_seqlens_q != nullptr; }
 };
 

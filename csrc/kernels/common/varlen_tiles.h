@@ -127,7 +127,7 @@ __device__ inline void lse_inf_rows(const VarlenTilesArgs& args, int first, int 
 // block a sequence with the sequences strided over the blocks (no search for a row's sequence).
 __device__ inline void clear_padding_rows(const VarlenTilesArgs& args) {
   const AttnProblem& p = args.problem;
-  const int head_dim = p.head_dim;
+  const int head_dim = p.cols();  // the tensors' own columns
   const int q_first = min(max(p.cu_seqlens_q[p.batch], 0), p.total_q);
   const int k_first = min(max(p.cu_seqlens_k[p.batch], 0), p.total_k);
   const int64_t stride = int64_t(gridDim.x - 1) * blockDim.x, start = int64_t(blockIdx.x - 1) * blockDim.x + threadIdx.x;

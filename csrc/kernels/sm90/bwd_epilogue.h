@@ -63,7 +63,7 @@ struct BwdEpilogue {
     cutlass::arch::NamedBarrier::sync(kThreads, barrier);
     Element* base = seq.k_rows<Element>(p, out, head_kv) + int64_t(n_block) * kBlockN * out.row_stride;
     store_rows_16b<kRows, kHeadDim, kThreads>(sV, kRows * group, base, out.row_stride, seq.seqlen_k - n_block * kBlockN,
-                                              tid % kThreads);
+                                              p.cols(), tid % kThreads);
   }
 };
 
@@ -122,7 +122,8 @@ __global__ void __launch_bounds__(Traits::kNMmaThreads) bwd_convert_dq_kernel(co
   store_pairs(r, thr.partition_C(sdq));
   __syncthreads();
   Element* dq = seq.q_rows<Element>(p, params.dq, head) + int64_t(m_block) * kBlockM * params.dq.row_stride;
-  store_rows_16b<kBlockM, kHeadDim, kThreads>(sdq, 0, dq, params.dq.row_stride, seq.seqlen_q - m_block * kBlockM, tid);
+  store_rows_16b<kBlockM, kHeadDim, kThreads>(sdq, 0, dq, params.dq.row_stride, seq.seqlen_q - m_block * kBlockM,
+                                              p.cols(), tid);
 }
 
 }  // namespace cutlass_flash::sm90

@@ -62,7 +62,8 @@ struct FwdEpilogue {
     const int first_row = tile.block * kBlockM + wg * 64;
     Tensor sO = make_tensor(make_smem_ptr(slab), typename Traits::SmemLayoutSlab{});
     Element* o = seq.q_rows<Element>(p, params.o, tile.head) + int64_t(first_row) * params.o.row_stride;
-    store_rows_16b<64, kHeadDim, 128, /*kUnroll=*/false>(sO, 0, o, params.o.row_stride, seq.seqlen_q - first_row, tid);
+    store_rows_16b<64, kHeadDim, 128, /*kUnroll=*/false>(sO, 0, o, params.o.row_stride, seq.seqlen_q - first_row, p.cols(),
+                                                         tid);
   }
 
   // acc_o: this thread's part of the normalised output of its warpgroup's 64 rows (fp32).

@@ -171,17 +171,18 @@ __device__ __forceinline__ void store_pairs(const Regs& r, Dst&& dst) {
 
 // Rows [first, first + kRows) of the (row, col) shared tile `s` to `dst`'s rows of the same index
 // (row stride `row_stride` elements) in 16-byte stores by kThreads threads (tid in [0, kThreads));
-// rows at or past `rows_left` are left alone. `s` keeps 8 consecutive columns from a multiple of
-// 8 contiguous (a padded row or a 16-byte swizzle). kUnroll = false keeps the loop rolled, where
+// rows at or past `rows_left`, and columns at or past `cols` (the tensor's own width,
+// AttnProblem::cols), are left alone. `s` keeps 8 consecutive columns from a multiple of 8
+// contiguous (a padded row or a 16-byte swizzle). kUnroll = false keeps the loop rolled, where
 // unrolled it spilled (the forward's partial slab).
 template <int kRows, int kCols, int kThreads, bool kUnroll = true, typename Smem, typename Element>
 __device__ __forceinline__ void store_rows_16b(const Smem& s, int first, Element* dst, int64_t row_stride,
-                                               int rows_left, int tid) {
+                                               int rows_left, int cols, int tid) {
   constexpr int kChunks = kCols * int(sizeof(Element)) / 16;  // 16-byte chunks per row
   static_assert(kRows * kChunks % kThreads == 0);
   auto copy_chunk = [&](int i) {
     const int row = first + i / kChunks, col = i % kChunks * 8;
-    if (row < rows_left)
+    if (row < rows_left && col < cols)
       *reinterpret_cast<uint4*>(dst + int64_t(row) * row_stride + col) = *reinterpret_cast<const uint4*>(&s(row, col));
   };
   if constexpr (kUnroll) {
