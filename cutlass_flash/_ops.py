@@ -249,6 +249,8 @@ def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
     arch = _dispatch.resolve_arch(arch, "bwd", padded, dtype_name, device, varlen is not None)
     padded = _dispatch.features_head_dim(arch, "bwd", padded, dtype_name, softcap, alibi_slopes)
     _validate.check_family_features(arch, "bwd", padded, softcap, alibi_slopes)
+    if arch == 80:
+        _validate.check_sm80_backward(varlen[2] if varlen is not None else seqlen_q, padded)
     C = _dispatch.lib()
 
     pad = _head_pad(arch, "bwd", head_dim, padded)

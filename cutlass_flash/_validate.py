@@ -561,6 +561,21 @@ MAX_TILES = (1 << 31) - 1024
 MIN_BLOCK_M = 64
 
 
+#: Largest elements of one sequence's head in the sm80 backward's fp32 dQ accumulator (rows x
+#: padded head dim): its tile offsets are int32 products (csrc/kernels/sm80/bwd_mainloop.h; in 64
+#: bits the packed kernel at d = 96 spilled 4 B), so 8M rows at d = 256, 16M at d = 128.
+MAX_SM80_BWD_ELEMENTS = 1 << 31
+
+
+def check_sm80_backward(seqlen_q, padded_head_dim):
+    """ValueError when the sm80 backward's dQ offsets would pass int32 (MAX_SM80_BWD_ELEMENTS)."""
+    if seqlen_q * padded_head_dim > MAX_SM80_BWD_ELEMENTS:
+        raise ValueError(
+            f"the sm80 backward takes at most {MAX_SM80_BWD_ELEMENTS // padded_head_dim} query rows per "
+            f"sequence at head dim {padded_head_dim}, got {seqlen_q} (int32 dQ offsets); the sm90 family "
+            f"(H100 / H200) has no such limit")
+
+
 def tiles(rows, nheads, batch=1):
     """An upper bound on the (query block, head, sequence) tiles of a launch."""
     return -(-rows // MIN_BLOCK_M) * nheads * batch

@@ -203,6 +203,9 @@ def test_row05_limits_raise_before_any_launch(fake_backend):
         _validate.check_limits(8, 8, 1, 1, 8, _validate.MAX_TOTAL_ROWS + 1)
     with pytest.raises(ValueError, match="tiles"):
         _validate.check_limits(1 << 29, 8, 1 << 14)
+    with pytest.raises(ValueError, match="sm80 backward takes at most 8388608 query rows"):
+        _validate.check_sm80_backward((1 << 23) + 1, 256)
+    _validate.check_sm80_backward(1 << 23, 256)
     assert _validate.max_batch_per_launch(8, 1) == _dispatch.MAX_GRID_YZ
     assert _validate.max_batch_per_launch(1 << 20, 32) == _validate.MAX_TILES // ((1 << 14) * 32)
     del small

@@ -40,7 +40,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_convert_dq_kernel(const
   const int64_t bh_row = seq.workspace_row(p, ws.rows_per_head, head);
   const float* dq_tile = reinterpret_cast<const float*>(static_cast<const char*>(params.workspace) +
                                                         ws.dq_accum_offset) +
-                         bh_row * kHeadDim + int64_t(m_block) * (kBlockM * kHeadDim);
+                         bh_row * kHeadDim + m_block * (kBlockM * kHeadDim);
   typename Traits::TiledMmadQ mma_dq;
   auto thr_dq = mma_dq.get_thread_slice(tid);
   Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});

@@ -313,9 +313,8 @@ struct BwdMainloop {
       }
       // This thread's first accumulator of tile m; the i-th is i * kNThreads floats further
       // (dq_accum_index), so every atomic addresses it with an immediate offset instead of a 64-bit
-      // address computation of its own. The tile offset in 64 bits: m * kBlockM * kHeadDim passes
-      // 2^31 from 8M rows at head dim 256.
-      float* dq_thr = dq_accum + int64_t(m) * (kBlockM * kHeadDim) + dq_accum_index<Traits>(0, t);
+      // address computation of its own.
+      float* dq_thr = dq_accum + m * (kBlockM * kHeadDim) + dq_accum_index<Traits>(0, t);
       dq_order.before<kBlockM, kBlockN>(mask, m);
       CUTE_UNROLL
       for (int i = 0; i < size(acc_dq); ++i) atomicAdd(dq_thr + i * kNThreads, acc_dq(i));
