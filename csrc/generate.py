@@ -176,11 +176,15 @@ BWD_SEMAPHORE_ROWS = 64
 # Alignment of the forward's scratch memory (when a family needs any), checked by the host API
 # (kFwdWorkspaceAlign) and by the tests' fake binding.
 FWD_WORKSPACE_ALIGN = 16
-# Deterministic mode splits the key blocks of a (batch, head) into this many groups (key block n
-# in group n % groups), each adding dQ into its own fp32 copy in a fixed order, and the dQ
-# conversion sums the copies in group order: the chain of turns between key blocks is this many
-# times shorter (common/dq_semaphore.h), for this many times the dQ scratch.
-BWD_DQ_GROUPS = 4
+# Deterministic mode can split the key blocks of a (batch, head) into this many groups (key block
+# n in group n % groups), each adding dQ into its own fp32 copy in a fixed order, the dQ conversion
+# summing the copies in group order: chains of turns this many times shorter (common/dq_semaphore.h)
+# for this many times the dQ scratch. One: each extra copy is 4 d bytes a query row against the
+# default's 10 d (dQ scratch and dq, dk, dv), so any second copy puts the deterministic mode above
+# 1.25x the default's memory (issue 31: 12.0 against 6.0 GiB at 128k tokens, 32 heads, d = 128),
+# and once DqSemaphore::turn is a closed form the single chain costs 0-8% (H200, d = 128, 4k-128k
+# keys; PERFLOG 92). The copies paid only while turn() looped over every key block below.
+BWD_DQ_GROUPS = 1
 # ... where the chains are long enough to pay for the copies (zeroed and summed in every call):
 # from 4k keys (32 blocks of 128), at every head dim. Measured on an H100, bf16, 16k tokens: with
 # 4 groups everywhere (PERFLOG 31), det / default went from 0.86-0.89 to 0.68-0.75 at d = 128 with

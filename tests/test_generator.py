@@ -98,29 +98,16 @@ def test_backward_workspace_table():
     rows = 2 * 16 * 1024
     long_k = gen.BWD_DQ_GROUPS_MIN_SEQLEN_K
     assert gen.bwd_workspace_bytes(2, 16, 1000, long_k, 128, False) == rows * 130 * 4
-    # Deterministic: one copy of dQ (and of the semaphores) per dQ group, where keys are many
-    # (at every head dim); one copy otherwise.
-    groups = gen.BWD_DQ_GROUPS
-    assert groups > 1
-    assert gen.bwd_workspace_bytes(2, 16, 1000, long_k, 128, True) == \
-        rows * (128 * groups + 2) * 4 + rows * groups // 64 * 4
-    assert gen.bwd_workspace_bytes(2, 16, 1000, long_k, 256, True) == \
-        rows * (256 * groups + 2) * 4 + rows * groups // 64 * 4
-    assert gen.bwd_dq_groups(long_k, True) == groups and gen.bwd_dq_groups(long_k, False) == 1
-    assert gen.bwd_dq_groups(long_k - 1, True) == 1
-    # Under a right-bounded mask (causal: window_right = 0) the groups start later, where one copy
-    # lets the sm90 backward walk upwards.
-    bounded_k = gen.BWD_DQ_GROUPS_MIN_SEQLEN_K_RIGHT_BOUNDED
-    assert bounded_k > long_k
-    assert gen.bwd_dq_groups(long_k, True, window_right=0) == 1
-    assert gen.bwd_dq_groups(bounded_k - 1, True, window_right=0) == 1
-    assert gen.bwd_dq_groups(bounded_k, True, window_right=0) == groups
-    assert gen.bwd_dq_groups(long_k, True, window_right=-1) == groups
-    assert gen.bwd_dq_groups(long_k, True, window_right=0, arch=80) == groups  # sm80 walks down
-    assert gen.bwd_workspace_bytes(2, 16, 1000, long_k, 128, True, window_right=0) == \
-        rows * (128 + 2) * 4 + rows // 64 * 4
-    assert gen.bwd_workspace_bytes(2, 16, 1000, long_k - 1, 128, True) == \
-        rows * (128 + 2) * 4 + rows // 64 * 4
+    # Deterministic: one dQ copy (BWD_DQ_GROUPS: more would take the mode past 1.25x the
+    # default's memory) and one semaphore per 64 rows, at any number of keys, masked or not.
+    assert gen.BWD_DQ_GROUPS == 1
+    for head_dim in (64, 128, 256):
+        for seqlen_k, window_right in ((long_k, -1), (long_k - 1, -1), (gen.BWD_DQ_GROUPS_MIN_SEQLEN_K_RIGHT_BOUNDED, 0)):
+            det = gen.bwd_workspace_bytes(2, 16, 1000, seqlen_k, head_dim, True, window_right=window_right)
+            default = gen.bwd_workspace_bytes(2, 16, 1000, seqlen_k, head_dim, False, window_right=window_right)
+            assert det == rows * (head_dim + 2) * 4 + rows // 64 * 4
+            assert det <= 1.01 * default
+            assert gen.bwd_dq_groups(seqlen_k, True, window_right) == 1
 
 
 def test_restricted_selection():

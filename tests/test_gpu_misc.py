@@ -13,8 +13,8 @@ from cases import Case, make_dout, make_inputs, kernel_archs
 from fake_c import _generator
 from gpu_check import OUTPUT_NAMES, check_case, skip_if_not_built
 
-# Keys from which deterministic mode splits dQ into groups (csrc/generate.py), without a mask and
-# under a causal one: the tests below run one size under it and one over.
+# Long key ranges (where deterministic mode once split dQ into groups, csrc/generate.py), without a
+# mask and under a causal one: long chains of turns (DqSemaphore::turn's closed form).
 GROUPED_KEYS = _generator().BWD_DQ_GROUPS_MIN_SEQLEN_K + 1
 GROUPED_KEYS_CAUSAL = _generator().BWD_DQ_GROUPS_MIN_SEQLEN_K_RIGHT_BOUNDED + 1
 
@@ -155,7 +155,8 @@ def _grads(case, q, k, v, dout, deterministic):
 def test_backward_deterministic(arch, causal, head_dim, keys):
     """deterministic=True: dq/dk/dv bit-identical over repeated runs, and a sequence's gradients
     the same bits alone as inside a batch. GQA, so dK/dV sum a group; 2047 keys: many key blocks
-    add to each dQ tile, in one chain (causal on sm90: walking upwards); grouped: in dQ groups."""
+    add to each dQ tile, in one chain (causal on sm90: walking upwards); "grouped": over 4k / 8k
+    keys, the lengths that once took dQ groups (one chain now, its turns in closed form)."""
     seqlen_k = 2047 if keys == "one_chain" else GROUPED_KEYS_CAUSAL if causal else GROUPED_KEYS
     case = Case(3, 1023, seqlen_k, 8, 2, head_dim, "bf16", causal, arch)
     skip_if_not_built(case)

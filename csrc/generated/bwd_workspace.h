@@ -20,7 +20,7 @@ namespace cutlass_flash {
 constexpr int kBwdRowAlign = 128;
 constexpr size_t kBwdArrayAlign = 256;
 constexpr int kBwdSemaphoreRows = 64;
-constexpr int kBwdDqGroups = 4;
+constexpr int kBwdDqGroups = 1;
 constexpr int kBwdDqGroupsMinSeqlenK = 4096;
 constexpr int kBwdDqGroupsMinSeqlenKRightBounded = 8192;
 constexpr size_t kFwdWorkspaceAlign = 16;
