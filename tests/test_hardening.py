@@ -415,3 +415,76 @@ def _check_any_head_dim(device, head_dim):
     dense = flash_attn_func(q.detach(), k.detach(), v.detach(), causal=True)
     torch.testing.assert_close(varlen, dense.reshape(-1, H, head_dim), atol=0, rtol=0)
     assert math.isclose(_validate.check_softmax_scale(None, head_dim), head_dim ** -0.5)
+
+
+# -- Row 12: the sm90 family reads a narrower head dim in place ----------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [80, 112, 200])
+@pytest.mark.parametrize("packed", [False, True])
+def test_row12_narrow_head_dim_reads_and_writes_its_own_columns(head_dim, packed):
+    """q, k, v, dout: the first head_dim columns of wider buffers whose other columns hold NaN, so a
+    kernel that read past the tensor's columns would return NaN; the gradients land in slices of
+    NaN-filled buffers (the low-level pair writes them in place), whose other columns must stay
+    NaN: a kernel that wrote past them would overwrite them."""
+    skip_unless_auto_built(cutlass_flash.padded_head_dim(head_dim), "bf16")
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the sm90 family's path")
+    from cutlass_flash.lowlevel import _flash_attn_varlen_backward, _flash_attn_varlen_forward
+    B, S, H, wide = 2, 150, 4, cutlass_flash.padded_head_dim(head_dim) + 8
+
+    def narrow(seed):
+        buf = torch.full((B, S, H, wide), float("nan"), device="cuda", dtype=torch.bfloat16)
+        buf[..., :head_dim] = _randn(B, S, H, head_dim, device="cuda", seed=seed, grad=False)
+        return buf[..., :head_dim]
+
+    q, k, v, dout = (narrow(s) for s in range(4))
+    grads = [torch.full((B, S, H, wide), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    dq, dk, dv = (g[..., :head_dim] for g in grads)
+    with cutlass_flash.force_arch(90):
+        if packed:
+            cu = torch.tensor([0, 77, 2 * S], dtype=torch.int32, device="cuda")
+            flat = [t.reshape(B * S, H, head_dim) for t in (q, k, v, dout, dq, dk, dv)]
+            out, lse, _, _ = _flash_attn_varlen_forward(*flat[:3], cu, cu, 2 * S - 77, 2 * S - 77, 0.0, None, True)
+            _flash_attn_varlen_backward(flat[3], *flat[:3], out, lse, *flat[4:], cu, cu, 2 * S - 77, 2 * S - 77,
+                                        0.0, None, True)
+            ref = [flash_attn_varlen_func(*(t.contiguous() for t in flat[:3]), cu, cu, 2 * S - 77, 2 * S - 77,
+                                          causal=True)]
+            torch.testing.assert_close(out, ref[0], atol=0, rtol=0)
+        else:
+            out, lse, _, _ = _flash_attn_forward(q, k, v, 0.0, None, True)
+            _flash_attn_backward(dout, q, k, v, out, lse, dq, dk, dv, 0.0, None, True)
+            leaves = [t.contiguous().requires_grad_() for t in (q, k, v)]
+            ref_out = flash_attn_func(*leaves, causal=True)
+            ref_grads = torch.autograd.grad(ref_out, leaves, dout.contiguous())
+            torch.testing.assert_close(out, ref_out, atol=0, rtol=0)
+            for a, b in zip((dq, dk, dv), ref_grads):  # dQ's additions in finishing order: not bit-exact
+                torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+    assert torch.isfinite(out).all()
+    for g in grads:
+        assert torch.isfinite(g[..., :head_dim]).all(), "a gradient read NaN past the tensors' columns"
+        assert torch.isnan(g[..., head_dim:]).all(), "a kernel wrote past the tensors' columns"
+
+
+@pytest.mark.gpu
+def test_row12_narrow_head_dim_memory():
+    """Forward + backward at head dim 80 (run on the d = 96 kernels without copies) takes at most
+    1.1x the memory of head dim 96 above the inputs."""
+    skip_unless_auto_built(96, "bf16")
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the sm90 family's path")
+
+    def extra(head_dim):
+        q, k, v = (_randn(4, 2048, 16, head_dim, device="cuda", seed=s) for s in range(3))
+        dout = _randn(4, 2048, 16, head_dim, device="cuda", seed=3, grad=False)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = flash_attn_func(q, k, v, causal=True)
+        torch.autograd.grad(out, (q, k, v), dout)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    with cutlass_flash.force_arch(90):
+        ratio = extra(80) / extra(96)
+    assert ratio <= 1.1, f"head dim 80 took {ratio:.2f}x the memory of head dim 96"
