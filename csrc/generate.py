@@ -182,8 +182,9 @@ FWD_WORKSPACE_ALIGN = 16
 # for this many times the dQ scratch. One: each extra copy is 4 d bytes a query row against the
 # default's 10 d (dQ scratch and dq, dk, dv), so any second copy puts the deterministic mode above
 # 1.25x the default's memory (issue 31: 12.0 against 6.0 GiB at 128k tokens, 32 heads, d = 128),
-# and once DqSemaphore::turn is a closed form the single chain costs 0-8% (H200, d = 128, 4k-128k
-# keys; PERFLOG 92). The copies paid only while turn() looped over every key block below.
+# and once DqSemaphore::turn is a closed form the single chain costs 0-24% (H200, d = 64-256,
+# 4k-16k keys; 8% at 128k; PERFLOG 92). The copies paid only while turn() looped over every key
+# block below.
 BWD_DQ_GROUPS = 1
 # ... where the chains are long enough to pay for the copies (zeroed and summed in every call):
 # from 4k keys (32 blocks of 128), at every head dim. Measured on an H100, bf16, 16k tokens: with

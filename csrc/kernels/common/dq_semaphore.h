@@ -36,7 +36,8 @@ struct DqSemaphore {
   // ascending, in (n_block, n_hi) descending (checked against counting block by block on 166,663
   // (tile, block) pairs of random shapes, windows and group counts). Counting block by block ran
   // on the critical path of every step: at 128k keys the deterministic backward took 2.3x (causal)
-  // to 3x the default's time; in closed form 1.00-1.07x (H200, d = 128, PERFLOG 92).
+  // to 3x the default's time; in closed form 1.08x there, 1.00-1.24x at 4k-16k keys (H200, PERFLOG
+  // 92).
   // m_block is one of n_block's own query blocks.
   template <int kBlockM, int kBlockN>
   __device__ static int turn(const WindowMask& mask, int m_block, int n_block, int groups, bool descending = false) {
