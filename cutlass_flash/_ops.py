@@ -17,7 +17,9 @@ that of the capped scores. dropout_p > 0: P is dropped with that probability und
 rng_state (int64 (seed, offset) on q's device, cutlass_flash.dropout) draws, the same in both
 directions. arch: kernel family, 0 = auto. deterministic: the backward accumulates dQ in a fixed
 order (the forward only carries it to its autograd context).
-Head dims that are not instantiated are zero-padded here and the results sliced back.
+Head dims that are not instantiated run on the next instantiated kernels: the families that take
+narrower tensors read them in place (NARROW_HEAD_DIM), the others get zero-padded copies here and
+the results are sliced back.
 
 flash_attn_func runs the ops' implementations directly when nothing traces the call (plain
 tensors, no dispatch mode, not compiling), with the same autograd as an autograd.Function: the op
@@ -134,7 +136,8 @@ def _slice_features(b0, b1, alibi_slopes, rng_state):
     if alibi_slopes is not None and alibi_slopes.dim() == 2:
         alibi_slopes = alibi_slopes[b0:b1]
     if rng_state is not None and b0:
-        rng_state = rng_state + torch.tensor([0, b0], dtype=rng_state.dtype, device=rng_state.device)
+        rng_state = rng_state.clone()
+        rng_state[1] += b0  # on the device: no copy from the host, no synchronisation
     return alibi_slopes, rng_state
 
 
