@@ -7,6 +7,9 @@
 #   PHASE=bench OUT=$OUT BASE_TREE=.carry/basetree bash benchmarks/device_hardening.sh
 #                        # GPU 0: the dense A/B of both families against the base commit beside
 #                        # FA3 / cuDNN / FA2; GPU 1: the deterministic cost, ours and FA3's
+#   PHASE=sm80 OUT=$OUT BASE_TREE=.carry/basetree bash benchmarks/device_hardening.sh
+#                        # one GPU: the sm80 family on narrow head dims (tests, memcheck, memory,
+#                        # A/B against the base beside FA2)
 #
 # The kernel library is built on a CPU machine (`python setup.py build_ext --inplace`) and
 # carried with .carry/fa3src.tar.gz (benchmarks/pack_fa3src.sh) and the base tree.
@@ -55,6 +58,31 @@ case "${PHASE:-tests}" in
     wait
     cat "$LOGS"/s[0-3].txt
     tail -3 "$LOGS/fa3.txt"
+    ;;
+  sm80)
+    # One GPU: the sm80 family reading narrow head dims (its column-predicated loads): the tests
+    # that force it, memcheck, the memory probe, and its A/B against the base beside FA2.
+    CUTLASS_FLASH_FORCE_ARCH=80 timeout 300 python3 -m pytest -q -rs --strict-gpu --maxfail=20 -m gpu \
+      tests/test_hardening.py tests/test_lowlevel.py tests/test_gpu_accuracy.py tests/test_varlen.py \
+      -p no:cacheprovider >"$LOGS/tests-sm80.log" 2>&1
+    echo "sm80-forced GPU tests (rc $?): $(tail -1 "$LOGS/tests-sm80.log")"
+    grep -E "^(FAILED|ERROR)" "$LOGS/tests-sm80.log" | head -20
+    for args in "80 80,112,200" "80 80,200 varlen" "80 80,200 det"; do
+      timeout 100 compute-sanitizer --tool memcheck python3 benchmarks/sanitize_small.py $args \
+        >"$LOGS/memcheck-${args// /-}.log" 2>&1
+      echo "memcheck $args: rc $?, $(grep 'ERROR SUMMARY' "$LOGS/memcheck-${args// /-}.log" | tail -1)"
+    done
+    timeout 150 python3 benchmarks/hardening_memory.py --out "$OUT" --det-seqlen 32768 2>&1 | tail -14
+    (cd "$BASE_TREE" && CUTLASS_FLASH_BINDING_ONLY=1 python3 setup.py build_ext --inplace >"$LOGS/build_base.log" 2>&1)
+    root=$PWD
+    for round in new base new2; do
+      dir=$root
+      [ "$round" = base ] && dir=$root/$BASE_TREE
+      (cd "$dir" && PYTHONPATH=$dir timeout 150 python3 -m cutlass_flash.benchmark --arch 80 --impls ours,sdpa-flash \
+        --head-dims 64,128,256 --seqlens 2048,8192 --rounds 3 --no-plot --tag "sm80-narrow-$round" --out "$OUT") \
+        >"$LOGS/sm80-$round.log" 2>&1
+      echo "sm80 A/B $round: rc $?"
+    done
     ;;
   bench)
     lib=cutlass_flash/libcutlass_flash_kernels.so

@@ -126,9 +126,11 @@ FAMILIES: Tuple[Family, ...] = (
     Family(arch=80, directions=("fwd", "bwd"), head_dims=HEAD_DIMS,
            sass_default=("80", "90"),
            sass_allowed=tuple(s for s in KNOWN_SASS if s != "90a"),
-           # No narrow_head_dim: predicating the cp.async loads by column took the backward at
-           # d = 64 (255 registers) from 0 to 4 B of spills, and 4 to 12 B in its packed kernel.
-           varlen=("fwd", "bwd")),
+           varlen=("fwd", "bwd"),
+           # cp.async loads predicated by column (a cleared 16-byte chunk past the tensor's
+           # columns), stores likewise: 0 B of spills but the packed backward at d = 256 (36 B,
+           # 72 B before), since the deterministic turns lost their loop (PERFLOG 92).
+           narrow_head_dim=("fwd", "bwd")),
     # Hopper (FlashAttention-3-style: TMA, wgmma, warp specialization). wgmma and setmaxnreg
     # exist only in the arch-specific sm_90a target.
     # Backward at every head dim: keys per warpgroup at d <= 128, split d at 192 (queries as

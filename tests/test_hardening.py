@@ -392,9 +392,8 @@ def test_row14_window_size_any_sequence_of_two_ints(device, window):
 @pytest.mark.parametrize("arch", [0, 80])
 @pytest.mark.parametrize("head_dim", [1, 3, 59, 80, 111, 200, 255])
 def test_row15_any_head_dim(device, head_dim, arch):
-    """Head dims between instantiated ones: the sm90 kernels read the tensors' own columns (no
-    copy, row 12), the sm80 ones take zero-padded copies; a head dim that is not a multiple of 8
-    is padded to one (a copy) first."""
+    """Head dims between instantiated ones: the kernels read the tensors' own columns (no copy,
+    row 12); a head dim that is not a multiple of 8 is padded to one (a copy) first."""
     if device == "cuda":
         skip_unless_auto_built(cutlass_flash.padded_head_dim(head_dim), "bf16")
     with cutlass_flash.force_arch(arch):
@@ -420,16 +419,17 @@ def _check_any_head_dim(device, head_dim):
 # -- Row 12: the sm90 family reads a narrower head dim in place ----------------------------------
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("arch", [80, 90])
 @pytest.mark.parametrize("head_dim", [80, 112, 200])
 @pytest.mark.parametrize("packed", [False, True])
-def test_row12_narrow_head_dim_reads_and_writes_its_own_columns(head_dim, packed):
+def test_row12_narrow_head_dim_reads_and_writes_its_own_columns(head_dim, packed, arch):
     """q, k, v, dout: the first head_dim columns of wider buffers whose other columns hold NaN, so a
     kernel that read past the tensor's columns would return NaN; the gradients land in slices of
     NaN-filled buffers (the low-level pair writes them in place), whose other columns must stay
     NaN: a kernel that wrote past them would overwrite them."""
     skip_unless_auto_built(cutlass_flash.padded_head_dim(head_dim), "bf16")
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the sm90 family's path")
+    if arch == 90 and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the sm90 family runs on sm90 GPUs")
     from cutlass_flash.lowlevel import _flash_attn_varlen_backward, _flash_attn_varlen_forward
     B, S, H, wide = 2, 150, 4, cutlass_flash.padded_head_dim(head_dim) + 8
 
@@ -441,7 +441,7 @@ def test_row12_narrow_head_dim_reads_and_writes_its_own_columns(head_dim, packed
     q, k, v, dout = (narrow(s) for s in range(4))
     grads = [torch.full((B, S, H, wide), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     dq, dk, dv = (g[..., :head_dim] for g in grads)
-    with cutlass_flash.force_arch(90):
+    with cutlass_flash.force_arch(arch):
         if packed:
             cu = torch.tensor([0, 77, 2 * S], dtype=torch.int32, device="cuda")
             flat = [t.reshape(B * S, H, head_dim) for t in (q, k, v, dout, dq, dk, dv)]
@@ -467,12 +467,13 @@ def test_row12_narrow_head_dim_reads_and_writes_its_own_columns(head_dim, packed
 
 
 @pytest.mark.gpu
-def test_row12_narrow_head_dim_memory():
+@pytest.mark.parametrize("arch", [80, 90])
+def test_row12_narrow_head_dim_memory(arch):
     """Forward + backward at head dim 80 (run on the d = 96 kernels without copies) takes at most
     1.1x the memory of head dim 96 above the inputs."""
     skip_unless_auto_built(96, "bf16")
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the sm90 family's path")
+    if arch == 90 and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the sm90 family runs on sm90 GPUs")
 
     def extra(head_dim):
         q, k, v = (_randn(4, 2048, 16, head_dim, device="cuda", seed=s) for s in range(3))
@@ -485,6 +486,6 @@ def test_row12_narrow_head_dim_memory():
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
 
-    with cutlass_flash.force_arch(90):
+    with cutlass_flash.force_arch(arch):
         ratio = extra(80) / extra(96)
     assert ratio <= 1.1, f"head dim 80 took {ratio:.2f}x the memory of head dim 96"
