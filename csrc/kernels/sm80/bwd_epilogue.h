@@ -19,7 +19,7 @@ struct BwdEpilogue {
 
   template <typename TensorAcc, typename TensorG>
   __device__ static void store(TensorAcc& acc_dk, TensorAcc& acc_dv, TensorG& gdK, TensorG& gdV,
-                               float softmax_scale, float dv_scale, char* smem, int rows_left, int cols) {
+                               float softmax_scale, float dv_scale, char* smem, int rows_left) {
     const int tid = threadIdx.x;
     CUTE_UNROLL
     for (int i = 0; i < size(acc_dk); ++i) {
@@ -49,8 +49,8 @@ struct BwdEpilogue {
     copy(copy_s2g, tdVsdV, tdVrdV);
     Tensor tdKgdK = thr_s2g.partition_D(gdK);
     Tensor tdVgdV = thr_s2g.partition_D(gdV);
-    store_rows(copy_s2g, tdKrdK, tdKgdK, tcoord, rows_left, cols);
-    store_rows(copy_s2g, tdVrdV, tdVgdV, tcoord, rows_left, cols);
+    store_rows(copy_s2g, tdKrdK, tdKgdK, tcoord, rows_left);
+    store_rows(copy_s2g, tdVrdV, tdVgdV, tcoord, rows_left);
   }
 };
 

@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
   Tensor lse = make_tensor<float>(Shape<Int<kRows>>{});
   if (n_min < n_max) {
     OnlineSoftmax<kRows> softmax(Softcap::softmax_scale(p) * float(M_LOG2E));
-    Mainloop::run(gQ, gK, gV, smem, p, mask, Softcap(p), Alibi(p, tile.batch, head), Dropout(p, tile.batch, head),
+    Mainloop::run(gQ, gK, gV, smem, mask, Softcap(p), Alibi(p, tile.batch, head), Dropout(p, tile.batch, head),
                   m_block, n_min, n_max, acc_o, softmax);
     Tensor o_rc = rowcol_view(acc_o);
     softmax.finalize(o_rc, lse, Softcap::softmax_scale(p), Dropout::keep_scale(p));
@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
   }
 
   float* lse_out = params.lse + seq.lse_row(p, head) + m_block * kBlockM;
-  Epilogue::store(acc_o, lse, gO, lse_out, smem, seq.seqlen_q - m_block * kBlockM, p.cols());
+  Epilogue::store(acc_o, lse, gO, lse_out, smem, seq.seqlen_q - m_block * kBlockM);
 }
 
 }  // namespace cutlass_flash::sm80

@@ -29,7 +29,7 @@ struct FwdMainloop {
   // gQ: (kBlockM, d); gK, gV: (kBlockN, d, num_n_blocks). Runs key blocks [n_min, n_max).
   template <typename TensorQ, typename TensorK, typename TensorV, typename TensorO, typename Softmax>
   __device__ static void run(const TensorQ& gQ, const TensorK& gK, const TensorV& gV, char* smem,
-                             const AttnProblem& p, const WindowMask& mask, const Softcap& softcap, const Alibi& alibi, const Dropout& dropout, int m_block, int n_min,
+                             const WindowMask& mask, const Softcap& softcap, const Alibi& alibi, const Dropout& dropout, int m_block, int n_min,
                              int n_max, TensorO& acc_o, Softmax& softmax) {
     const int tid = threadIdx.x;
     Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});
@@ -67,9 +67,9 @@ struct FwdMainloop {
     Tensor tOsVt = thr_copy_v.partition_S(sVt);
 
     const int seqlen_k = mask.seqlen_k;
-    copy_rows(gmem_copy, tQgQ, tQsQ, tQcQ, mask.seqlen_q - m_block * kBlockM, p.cols());
+    copy_rows(gmem_copy, tQgQ, tQsQ, tQcQ, mask.seqlen_q - m_block * kBlockM);
     int n = n_max - 1;
-    copy_rows(gmem_copy, tKgK(_, _, _, n), tKsK, tKVcKV, seqlen_k - n * kBlockN, p.cols());
+    copy_rows(gmem_copy, tKgK(_, _, _, n), tKsK, tKVcKV, seqlen_k - n * kBlockN);
     cp_async_fence();
 
     Tensor o_rc = rowcol_view(acc_o);
@@ -84,7 +84,7 @@ struct FwdMainloop {
       clear(acc_s);
       cp_async_wait<0>();
       __syncthreads();  // K(n) visible to all; every warp finished reading V(n+1)
-      copy_rows(gmem_copy, tVgV(_, _, _, n), tVsV, tKVcKV, seqlen_k - n * kBlockN, p.cols());
+      copy_rows(gmem_copy, tVgV(_, _, _, n), tVsV, tKVcKV, seqlen_k - n * kBlockN);
       cp_async_fence();
 
       gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, copy_q, copy_k, thr_copy_q, thr_copy_k);
@@ -97,7 +97,7 @@ struct FwdMainloop {
       cp_async_wait<0>();
       __syncthreads();  // V(n) visible to all; every warp finished reading K(n)
       if (n > n_min) {
-        copy_rows(gmem_copy, tKgK(_, _, _, n - 1), tKsK, tKVcKV, seqlen_k - (n - 1) * kBlockN, p.cols());
+        copy_rows(gmem_copy, tKgK(_, _, _, n - 1), tKsK, tKVcKV, seqlen_k - (n - 1) * kBlockN);
         cp_async_fence();
       }
 

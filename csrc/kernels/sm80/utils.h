@@ -73,36 +73,27 @@ __device__ __forceinline__ void gemm_rs(TensorAcc& acc, const TensorRA& rA, Tens
 // Global -> shared copy of a (rows, head_dim) tile, partitioned by a cp.async tiled copy:
 // (CPY, CPY_M, CPY_K). Rows at or past `max_rows` are zero-filled in shared memory instead of
 // read, so a partial tile at the end of a sequence never reads out of bounds and never feeds
-// garbage (possibly NaN) into the next GEMM; so are columns at or past `max_cols` (a tensor
-// narrower than the tile, AttnProblem::cols: zero columns add nothing to the GEMMs). Each copy
-// moves 8 columns and max_cols is a multiple of 8.
+// garbage (possibly NaN) into the next GEMM.
 template <typename TiledCopy, typename TensorG, typename TensorS, typename TensorC>
 __device__ __forceinline__ void copy_rows(const TiledCopy& tiled_copy, const TensorG& src, TensorS& dst,
-                                          const TensorC& coords, int max_rows, int max_cols) {
+                                          const TensorC& coords, int max_rows) {
   CUTE_UNROLL
   for (int m = 0; m < size<1>(src); ++m) {
-    CUTE_UNROLL
-    for (int k = 0; k < size<2>(src); ++k) {
-      if (get<0>(coords(0, m, k)) < max_rows && get<1>(coords(0, m, k)) < max_cols) {
-        copy(tiled_copy, src(_, m, k), dst(_, m, k));
-      } else {
-        clear(dst(_, m, k));
-      }
+    if (get<0>(coords(0, m, 0)) < max_rows) {
+      copy(tiled_copy, src(_, m, _), dst(_, m, _));
+    } else {
+      clear(dst(_, m, _));
     }
   }
 }
 
-// Shared -> global copy of a (rows, head_dim) tile, skipping rows at or past `max_rows` and
-// columns at or past `max_cols` (copy_rows).
+// Shared -> global copy of a (rows, head_dim) tile, skipping rows at or past `max_rows`.
 template <typename TiledCopy, typename TensorS, typename TensorG, typename TensorC>
 __device__ __forceinline__ void store_rows(const TiledCopy& tiled_copy, const TensorS& src, TensorG& dst,
-                                           const TensorC& coords, int max_rows, int max_cols) {
+                                           const TensorC& coords, int max_rows) {
   CUTE_UNROLL
   for (int m = 0; m < size<1>(src); ++m) {
-    CUTE_UNROLL
-    for (int k = 0; k < size<2>(src); ++k)
-      if (get<0>(coords(0, m, k)) < max_rows && get<1>(coords(0, m, k)) < max_cols)
-        copy(tiled_copy, src(_, m, k), dst(_, m, k));
+    if (get<0>(coords(0, m, 0)) < max_rows) copy(tiled_copy, src(_, m, _), dst(_, m, _));
   }
 }
 
