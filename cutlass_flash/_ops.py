@@ -459,14 +459,16 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     Args:
         q: (batch, seqlen_q, nheads, head_dim) float16 or bfloat16 CUDA tensor.
         k, v: (batch, seqlen_k, nheads_kv, head_dim), same dtype and device; nheads must be a
-            multiple of nheads_kv (MHA, GQA, MQA). head_dim: a multiple of 8, at most 256.
-            Inputs may be non-contiguous if the last dim is contiguous (and rows 16-byte aligned).
+            multiple of nheads_kv (MHA, GQA, MQA). head_dim: 1 to 256. Any layout: one the kernels
+            cannot read as it is (a broadcast stride 0, a non-contiguous last dim, rows not
+            16-byte aligned) is copied first. fp32 inputs under torch.autocast take its dtype.
         dropout_p: probability of dropping each attention probability (FlashAttention's
             dropout on P; the kept ones are scaled by 1 / (1 - dropout_p)). The mask is drawn
             from torch's CUDA generator (reproducible under torch.manual_seed, and a CUDA graph
             draws anew on each replay); the backward uses the same mask.
             cutlass_flash.dropout.keep_mask rebuilds it. Pass 0.0 at evaluation.
-        softmax_scale: scale of q @ k^T before the softmax; default 1/sqrt(head_dim).
+        softmax_scale: scale of q @ k^T before the softmax; default 1/sqrt(head_dim). Any finite
+            value (negative, or 0: uniform weights).
         causal: causal mask aligned to the bottom-right corner of the attention matrix (as in
             FlashAttention 2): query i sees keys j <= i + seqlen_k - seqlen_q. Query rows that see
             no key (seqlen_q > seqlen_k) give out = 0, lse = +inf and zero gradients.
