@@ -123,22 +123,25 @@ def _kernel_query(q, softmax_scale):
     return torch.zeros_like(q), 1.0
 
 
-def _batch_slices(batch, seqlen_q, nheads, varlen):
-    """[b0, b1) ranges of a dense batch that one launch each takes (_validate.max_batch_per_launch:
-    the grids put the batch on gridDim.z); a packed batch is one launch."""
+def _launches(varlen, alibi_slopes, rng_state, *tensors):
+    """(tensors, alibi_slopes, rng_state) of each launch of a call: the whole call, or for a dense
+    batch larger than one launch takes (_validate.max_batch_per_launch: the grids put the batch on
+    gridDim.z) the slices of sequences [b0, b1) of the tensors (batch first) and of (batch, nheads)
+    ALiBi slopes, with the dropout offset moved by b0 (the mask of sequence b counts b + offset,
+    cutlass_flash.dropout)."""
+    batch, seqlen_q, nheads = tensors[0].shape[:3]
     step = batch if varlen is not None else _validate.max_batch_per_launch(seqlen_q, nheads)
-    return [(b0, min(b0 + step, batch)) for b0 in range(0, batch, step)]
-
-
-def _slice_features(b0, b1, alibi_slopes, rng_state):
-    """The (batch, nheads) ALiBi slopes and the dropout rng_state of sequences [b0, b1): the mask
-    of sequence b counts b + offset (cutlass_flash.dropout), so a slice's offset moves by b0."""
-    if alibi_slopes is not None and alibi_slopes.dim() == 2:
-        alibi_slopes = alibi_slopes[b0:b1]
-    if rng_state is not None and b0:
-        rng_state = rng_state.clone()
-        rng_state[1] += b0  # on the device: no copy from the host, no synchronisation
-    return alibi_slopes, rng_state
+    if step >= batch:
+        yield tensors, alibi_slopes, rng_state
+        return
+    for b0 in range(0, batch, step):
+        b1 = min(b0 + step, batch)
+        slopes = alibi_slopes[b0:b1] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
+        rng = rng_state
+        if rng_state is not None and b0:
+            rng = rng_state.clone()
+            rng[1] += b0  # on the device: no copy from the host, no synchronisation
+        yield tuple(t[b0:b1] for t in tensors), slopes, rng
 
 
 def _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, deterministic=False, softcap=0.0,
@@ -165,10 +168,7 @@ def _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, determini
     q, softmax_scale = _kernel_query(q, softmax_scale)
     out = torch.empty((batch, seqlen_q, nheads, head_dim + pad), dtype=q.dtype, device=device)
     lse = torch.empty(_lse_shape(q, varlen), dtype=torch.float32, device=device)
-    for b0, b1 in _batch_slices(batch, seqlen_q, nheads, varlen):
-        whole = b1 - b0 == batch
-        qs, ks, vs, os_ = (t if whole else t[b0:b1] for t in (q, k, v, out))
-        slopes, rng = (alibi_slopes, rng_state) if whole else _slice_features(b0, b1, alibi_slopes, rng_state)
+    for (qs, ks, vs, os_, lses), slopes, rng in _launches(varlen, alibi_slopes, rng_state, q, k, v, out, lse):
         problem = _problem(qs, ks, padded, softmax_scale, window_left, window_right, dtype_name, softcap,
                            varlen, slopes, dropout_p, rng)
         workspace_bytes = C.fwd_workspace_bytes(**problem, arch=arch)
@@ -180,7 +180,7 @@ def _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, determini
             _ref4(ks),
             _ref4(vs),
             _ref4(os_),
-            (lse if whole else lse[b0:b1]).data_ptr(),
+            lses.data_ptr(),
             workspace.data_ptr() if workspace is not None else 0,
             **problem,
             arch=arch,
@@ -270,11 +270,8 @@ def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
     dq = target(dq, (batch, seqlen_q, nheads, cols))
     dk = target(dk, (batch, seqlen_k, nheads_kv, cols))
     dv = target(dv, (batch, seqlen_k, nheads_kv, cols))
-    for b0, b1 in _batch_slices(batch, seqlen_q, nheads, varlen):
-        whole = b1 - b0 == batch
-        qs, ks, vs, os_, dos, dqs, dks, dvs, lses = (
-            t if whole else t[b0:b1] for t in (q, k, v, out, dout, dq, dk, dv, lse))
-        slopes, rng = (alibi_slopes, rng_state) if whole else _slice_features(b0, b1, alibi_slopes, rng_state)
+    for (qs, ks, vs, os_, dos, dqs, dks, dvs, lses), slopes, rng in _launches(
+            varlen, alibi_slopes, rng_state, q, k, v, out, dout, dq, dk, dv, lse):
         problem = _problem(qs, ks, padded, kernel_scale, window_left, window_right, dtype_name, softcap,
                            varlen, slopes, dropout_p, rng)
         workspace = torch.empty(

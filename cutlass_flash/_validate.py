@@ -242,7 +242,7 @@ def check_mask(causal, window_size, seqlen_k):
         ) from None
     sides = []
     for side, value in (("left", left), ("right", right)):
-        as_int = value if _is_int(value) else _as_int(value)
+        as_int = _as_int(value)
         if as_int is None:
             raise TypeError(
                 f"window_size {side} must be an int (-1: unbounded), got {type(value).__name__}"
