@@ -10,8 +10,7 @@
 
 #include "cutlass_flash/params.h"
 #include "kernels/common/block_info.h"
-#include "kernels/common/dropout.h"
-#include "kernels/common/mask.h"
+#include "kernels/common/score_policy.h"
 #include "kernels/common/tile_scheduler.h"
 #include "kernels/sm80/bwd_epilogue.h"
 #include "kernels/sm80/bwd_mainloop.h"
@@ -70,6 +69,7 @@ template <typename Mainloop, typename Epilogue, typename Scheduler>
 __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
     bwd_kernel(const __grid_constant__ BwdParams params, const __grid_constant__ typename Scheduler::Params sched) {
   using Traits = typename Mainloop::Traits;
+  using Score = typename Mainloop::Score;
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   extern __shared__ __align__(128) char smem[];
@@ -133,16 +133,15 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
     Tensor gK = key_tile(params.k, kv_seq, kv);
     Tensor gV = key_tile(params.v, kv_seq, kv);
     if (g > 0) __syncthreads();  // the last head's final reads of shared memory are done
-    Mainloop::run(gQ, gdO, gK, gV, dq_accum, lse, dpsum, smem, mask, Softcap(p), Alibi(p, tile.batch, head),
-                  Dropout(p, tile.batch, head), n_block, m_min, m_max,
-                  Softcap::softmax_scale(p) * float(M_LOG2E), acc_dk, acc_dv, dq_order);
+    Mainloop::run(gQ, gdO, gK, gV, dq_accum, lse, dpsum, smem, Score(p, mask, tile.batch, head), n_block, m_min,
+                  m_max, Score::scale_log2(p), acc_dk, acc_dv, dq_order);
   }
   // dK and dV's addresses and rows likewise from the tile read after the loop.
   const TileCoord out = Scheduler::get_here(sched, /*longest_first=*/false);
   const SeqInfo out_seq(p, out.batch);
   Tensor gdK = key_tile(params.dk, out_seq, out);
   Tensor gdV = key_tile(params.dv, out_seq, out);
-  Epilogue::store(acc_dk, acc_dv, gdK, gdV, p.softmax_scale, Dropout::keep_scale(p), smem,
+  Epilogue::store(acc_dk, acc_dv, gdK, gdV, p.softmax_scale, Score::keep_scale(p), smem,
                   out_seq.seqlen_k - out.block * kBlockN);
 }
 

@@ -13,6 +13,19 @@
 
 namespace cutlass_flash::sm80 {
 
+// The main kernel over n_blocks key blocks of each (head, batch), or over a packed batch's list
+// (n_blocks = 0, the list's capacity in sched).
+template <typename Traits, typename Features, typename Scheduler>
+Status launch_bwd_main(const BwdParams& params, const GridTileParams& sched, int n_blocks, cudaStream_t stream) {
+  constexpr auto kernel = bwd_kernel<BwdMainloop<Traits, Features>, BwdEpilogue<Traits>, Scheduler>;
+  if (Status s = ensure_smem_limit<kernel>(Traits::kSmemBytes); !s.ok()) return s;
+  const AttnProblem& p = params.problem;
+  const dim3 grid = Scheduler::kPackable ? Scheduler::grid(sched, 0, p.nheads_kv, 1)
+                                         : Scheduler::grid(sched, n_blocks, p.nheads_kv, p.batch);
+  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(params, sched);
+  return cuda_status(cudaGetLastError(), "sm80 backward launch");
+}
+
 template <int kHeadDim, typename Element>
 Status run_bwd(const BwdParams& params, cudaStream_t stream) {
   constexpr BwdTile kTile = bwd_tile(kHeadDim);
@@ -36,19 +49,19 @@ Status run_bwd(const BwdParams& params, cudaStream_t stream) {
     bwd_preprocess_kernel<kFamilyArch, kHeadDim, Element, false><<<pre_grid, BwdPreprocess::kWarps * 32, 0, stream>>>(params, rows);
   if (Status s = cuda_status(cudaGetLastError(), "sm80 backward preprocess launch"); !s.ok()) return s;
 
-  // Dense calls run a kernel without the packed path (DenseGridTileScheduler: register spills).
+  // Three instantiations: dense calls run kernels without the packed path (DenseGridTileScheduler:
+  // register spills), and those without softcap, ALiBi or dropout one with them compiled out too
+  // (PlainScores: the switches cost those calls up to a tenth, PERFLOG.md entry 93).
   if (p.is_varlen()) {
-    constexpr auto kernel = bwd_kernel<BwdMainloop<Traits>, BwdEpilogue<Traits>, GridTileScheduler>;
-    if (Status s = ensure_smem_limit<kernel>(Traits::kSmemBytes); !s.ok()) return s;
-    kernel<<<GridTileScheduler::grid(sched, 0, p.nheads_kv, 1), Traits::kNThreads, Traits::kSmemBytes, stream>>>(
-        params, sched);
+    if (Status s = launch_bwd_main<Traits, AllScoreFeatures, GridTileScheduler>(params, sched, 0, stream); !s.ok())
+      return s;
   } else {
-    constexpr auto kernel = bwd_kernel<BwdMainloop<Traits>, BwdEpilogue<Traits>, DenseGridTileScheduler>;
-    if (Status s = ensure_smem_limit<kernel>(Traits::kSmemBytes); !s.ok()) return s;
-    const dim3 grid = DenseGridTileScheduler::grid({}, ceil_div(p.seqlen_k, kTile.block_n), p.nheads_kv, p.batch);
-    kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(params, {});
+    const int n_blocks = ceil_div(p.seqlen_k, kTile.block_n);
+    Status s = PlainScores::covers(p)
+                   ? launch_bwd_main<Traits, PlainScores, DenseGridTileScheduler>(params, {}, n_blocks, stream)
+                   : launch_bwd_main<Traits, AllScoreFeatures, DenseGridTileScheduler>(params, {}, n_blocks, stream);
+    if (!s.ok()) return s;
   }
-  if (Status s = cuda_status(cudaGetLastError(), "sm80 backward launch"); !s.ok()) return s;
 
   static_assert(kBwdRowAlign % kTile.block_m == 0, "dQ conversion blocks split the packed row tiles");
   const dim3 q_grid = rows.count != nullptr ? dim3(unsigned(rows.capacity * (kBwdRowAlign / kTile.block_m)), p.nheads, 1)

@@ -11,10 +11,7 @@
 #include <cmath>
 
 #include "kernels/common/dq_semaphore.h"
-#include "kernels/common/mask.h"
-#include "kernels/common/alibi.h"
-#include "kernels/common/dropout.h"
-#include "kernels/common/softcap.h"
+#include "kernels/common/score_policy.h"
 #include "kernels/sm80/utils.h"
 
 namespace cutlass_flash::sm80 {
@@ -69,9 +66,12 @@ __device__ __forceinline__ int tid_here() {
   return t;
 }
 
-template <typename Traits_>
+// Features: the score modifiers compiled in (common/score_policy.h).
+template <typename Traits_, typename Features_ = AllScoreFeatures>
 struct BwdMainloop {
   using Traits = Traits_;
+  using Features = Features_;
+  using Score = ScorePolicy<Features>;
   using Element = typename Traits::Element;
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kBlockN = Traits::kBlockN;
@@ -98,10 +98,9 @@ struct BwdMainloop {
   template <typename TensorQ, typename TensorK, typename TensorAcc>
   __device__ static void run(const TensorQ& gQ, const TensorQ& gdO, const TensorK& gK, const TensorK& gV,
                              float* dq_accum, const float* lse, const float* dpsum, char* smem,
-                             const WindowMask& mask, const Softcap& softcap, const Alibi& alibi,
-                             const Dropout& dropout, int n_block,
-                             int m_min, int m_max,
-                             float scale_log2, TensorAcc& acc_dk, TensorAcc& acc_dv, const BwdDqOrder& dq_order) {
+                             const Score& score, int n_block, int m_min, int m_max, float scale_log2,
+                             TensorAcc& acc_dk, TensorAcc& acc_dv, const BwdDqOrder& dq_order) {
+    const WindowMask& mask = score.mask;
     const int tid = threadIdx.x;
     constexpr int kQTile = Traits::kQTile, kKVTile = Traits::kKVTile, kPTile = Traits::kPTile;
     Element* base = reinterpret_cast<Element*>(smem);
@@ -204,18 +203,13 @@ struct BwdMainloop {
       }
       Tensor tSsQ_m = make_tensor(tSsQ.data() + stage * kQTile, tSsQ.layout());
       gemm_ss(acc_s, tSrQ, tSrK, tSsQ_m, tSsK, mma_sdp, copy_a_sdp, copy_b_sdp, thr_a_sdp, thr_b_sdp);
-      if (softcap.on()) softcap.tanh_scores(acc_s);
-      if (alibi.on()) {
-        const auto c0 = s_coords(loop_tid())(0);
-        alibi.apply(acc_s, make_coord_tensor(tScS.layout()), mask, m * kBlockM + get<0>(c0),
-                    n_block * kBlockN + get<1>(c0));
-      }
-      if (mask.block_needs_mask<kBlockM, kBlockN>(m, n_block)) {
+      {
         // The thread's first (row, col) goes into the offsets, so each entry's coordinates are
         // compile-time constants: with tScS itself, its 16 column indices were hoisted out of the
         // loop and held in registers through the dP GEMM (d = 64: 12 of the 36 B spilled).
         const auto c0 = s_coords(loop_tid())(0);
-        mask.apply(acc_s, make_coord_tensor(tScS.layout()), m * kBlockM + get<0>(c0), n_block * kBlockN + get<1>(c0));
+        score.before_softmax(acc_s, make_coord_tensor(tScS.layout()), m * kBlockM + get<0>(c0),
+                             n_block * kBlockN + get<1>(c0), mask.block_needs_mask<kBlockM, kBlockN>(m, n_block));
       }
       Tensor p_rc = rowcol_view(acc_s);
       CUTE_UNROLL
@@ -223,9 +217,9 @@ struct BwdMainloop {
         CUTE_UNROLL
         for (int ni = 0; ni < size<1>(p_rc); ++ni) p_rc(mi, ni) = exp2f(p_rc(mi, ni) * scale_log2 - lse_r[mi]);
       }
-      if (dropout.on()) {  // dropped probabilities negated until dS is computed (Dropout::Negate)
+      if (score.dropout_on()) {  // dropped probabilities negated until dS is computed (Dropout::Negate)
         const auto c0 = s_coords(loop_tid())(0);
-        dropout.apply</*kTransposed=*/false, /*kPairStep=*/8 * Traits::kWarpsNSdP, Dropout::column_align(kBlockN)>(
+        score.template drop</*kTransposed=*/false, /*kPairStep=*/8 * Traits::kWarpsNSdP, Dropout::column_align(kBlockN)>(
             p_rc, rowcol_view(make_coord_tensor(tScS.layout())), m * kBlockM + get<0>(c0), n_block * kBlockN + get<1>(c0),
             Dropout::Negate{});
       }
@@ -234,32 +228,9 @@ struct BwdMainloop {
       clear(acc_dp);
       gemm_ss(acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, mma_sdp, copy_a_sdp, copy_b_sdp, thr_a_sdp, thr_b_sdp);
       Tensor ds_rc = rowcol_view(acc_dp);
-      if (dropout.on()) {  // dP is the GEMM's times mask / (1 - p): a dropped P has dS = (-P) D
-        const float keep_scale = Dropout::keep_scale(*dropout.p);
-        CUTE_UNROLL
-        for (int mi = 0; mi < kRows; ++mi) {
-          CUTE_UNROLL
-          for (int ni = 0; ni < size<1>(ds_rc); ++ni)
-            ds_rc(mi, ni) = p_rc(mi, ni) * (p_rc(mi, ni) >= 0.f ? ds_rc(mi, ni) * keep_scale - dpsum_r[mi] : dpsum_r[mi]);
-        }
-      } else {
-        CUTE_UNROLL
-        for (int mi = 0; mi < kRows; ++mi) {
-          CUTE_UNROLL
-          for (int ni = 0; ni < size<1>(ds_rc); ++ni) ds_rc(mi, ni) = p_rc(mi, ni) * (ds_rc(mi, ni) - dpsum_r[mi]);
-        }
-      }
-      if (softcap.on()) {  // the gradient of x = scale * s: through tanh's derivative
-        CUTE_UNROLL
-        for (int mi = 0; mi < kRows; ++mi) {
-          CUTE_UNROLL
-          for (int ni = 0; ni < size<1>(ds_rc); ++ni) ds_rc(mi, ni) *= softcap.dtanh(fabsf(p_rc(mi, ni)), lse_r[mi]);
-        }
-      }
-      if (dropout.on()) {  // P for the dV GEMM: the dropped ones zeroed
-        CUTE_UNROLL
-        for (int i = 0; i < size(acc_s); ++i) acc_s(i) = fmaxf(acc_s(i), 0.f);
-      }
+      score.scores_grad(p_rc, ds_rc, [&](int mi) { return dpsum_r[mi]; });
+      score.softcap_grad(p_rc, ds_rc, [&](int mi) { return lse_r[mi]; });
+      score.dropped_to_zero(acc_s);  // P for the dV GEMM
       const int t = loop_tid();  // everything below: offsets computed here, after the peak
       {
         Tensor rP = convert_type<Element>(acc_s);

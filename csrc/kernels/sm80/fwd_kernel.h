@@ -7,9 +7,7 @@
 
 #include "cutlass_flash/params.h"
 #include "kernels/common/block_info.h"
-#include "kernels/common/mask.h"
-#include "kernels/common/dropout.h"
-#include "kernels/common/softcap.h"
+#include "kernels/common/score_policy.h"
 #include "kernels/common/softmax.h"
 #include "kernels/common/tile_scheduler.h"
 #include "kernels/sm80/fwd_epilogue.h"
@@ -57,11 +55,11 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
   clear(acc_o);
   Tensor lse = make_tensor<float>(Shape<Int<kRows>>{});
   if (n_min < n_max) {
-    OnlineSoftmax<kRows> softmax(Softcap::softmax_scale(p) * float(M_LOG2E));
-    Mainloop::run(gQ, gK, gV, smem, mask, Softcap(p), Alibi(p, tile.batch, head), Dropout(p, tile.batch, head),
-                  m_block, n_min, n_max, acc_o, softmax);
+    using Score = typename Mainloop::Score;
+    OnlineSoftmax<kRows> softmax(Score::scale_log2(p));
+    Mainloop::run(gQ, gK, gV, smem, Score(p, mask, tile.batch, head), m_block, n_min, n_max, acc_o, softmax);
     Tensor o_rc = rowcol_view(acc_o);
-    softmax.finalize(o_rc, lse, Softcap::softmax_scale(p), Dropout::keep_scale(p));
+    softmax.finalize(o_rc, lse, Score::softmax_scale(p), Score::keep_scale(p));
   } else {
     fill(lse, INFINITY);  // no key visible to any row of this block: O = 0, LSE = +inf
   }

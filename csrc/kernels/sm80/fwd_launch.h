@@ -11,14 +11,27 @@
 
 namespace cutlass_flash::sm80 {
 
+template <typename Traits, typename Features, typename Scheduler>
+Status launch_fwd(const FwdParams& params, const GridTileParams& sched, cudaStream_t stream) {
+  constexpr auto kernel = fwd_kernel<FwdMainloop<Traits, Features>, FwdEpilogue<Traits>, Scheduler>;
+  if (Status s = ensure_smem_limit<kernel>(Traits::kSmemBytes); !s.ok()) return s;
+  const AttnProblem& p = params.problem;
+  const dim3 grid = Scheduler::grid(sched, ceil_div(p.seqlen_q, Traits::kBlockM), p.nheads, p.batch);
+  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(params, sched);
+  return cuda_status(cudaGetLastError(), "sm80 forward launch");
+}
+
+// Two instantiations: the calls without softcap, ALiBi, dropout or a packed batch run one with
+// those compiled out (PlainScores, DenseGridTileScheduler: the runtime switches cost those calls
+// up to a third, PERFLOG.md entry 93); every other call runs the one with all of them.
 template <int kHeadDim, typename Element>
 Status run_fwd(const FwdParams& params, cudaStream_t stream) {
   constexpr FwdTile kTile = fwd_tile(kHeadDim);
   using Traits = FwdTraits<kHeadDim, kTile.block_m, kTile.block_n, kTile.warps, Element>;
-  constexpr auto kernel = fwd_kernel<FwdMainloop<Traits>, FwdEpilogue<Traits>, GridTileScheduler>;
   if (Status s = check_smem_fits(Traits::kSmemBytes, "sm80 forward"); !s.ok()) return s;
-  if (Status s = ensure_smem_limit<kernel>(Traits::kSmemBytes); !s.ok()) return s;
   const AttnProblem& p = params.problem;
+  if (!p.is_varlen() && PlainScores::covers(p))
+    return launch_fwd<Traits, PlainScores, DenseGridTileScheduler>(params, {}, stream);
   // A packed batch: its query blocks are listed first (common/varlen_tiles.h), one block each.
   GridTileScheduler::Params sched;
   if (p.is_varlen()) {
@@ -29,9 +42,7 @@ Status run_fwd(const FwdParams& params, cudaStream_t stream) {
     if (Status s = cuda_status(launch_varlen_tiles(args, stream), "sm80 forward: packed batch tile list"); !s.ok())
       return s;
   }
-  const dim3 grid = GridTileScheduler::grid(sched, ceil_div(p.seqlen_q, kTile.block_m), p.nheads, p.batch);
-  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(params, sched);
-  return cuda_status(cudaGetLastError(), "sm80 forward launch");
+  return launch_fwd<Traits, AllScoreFeatures, GridTileScheduler>(params, sched, stream);
 }
 
 }  // namespace cutlass_flash::sm80

@@ -8,19 +8,19 @@
 
 #include <cute/tensor.hpp>
 
-#include "kernels/common/mask.h"
-#include "kernels/common/alibi.h"
-#include "kernels/common/dropout.h"
-#include "kernels/common/softcap.h"
+#include "kernels/common/score_policy.h"
 #include "kernels/sm80/utils.h"
 
 namespace cutlass_flash::sm80 {
 
 using namespace cute;
 
-template <typename Traits_>
+// Features: the score modifiers compiled in (common/score_policy.h).
+template <typename Traits_, typename Features_ = AllScoreFeatures>
 struct FwdMainloop {
   using Traits = Traits_;
+  using Features = Features_;
+  using Score = ScorePolicy<Features>;
   using Element = typename Traits::Element;
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kBlockN = Traits::kBlockN;
@@ -29,8 +29,9 @@ struct FwdMainloop {
   // gQ: (kBlockM, d); gK, gV: (kBlockN, d, num_n_blocks). Runs key blocks [n_min, n_max).
   template <typename TensorQ, typename TensorK, typename TensorV, typename TensorO, typename Softmax>
   __device__ static void run(const TensorQ& gQ, const TensorK& gK, const TensorV& gV, char* smem,
-                             const WindowMask& mask, const Softcap& softcap, const Alibi& alibi, const Dropout& dropout, int m_block, int n_min,
-                             int n_max, TensorO& acc_o, Softmax& softmax) {
+                             const Score& score, int m_block, int n_min, int n_max, TensorO& acc_o,
+                             Softmax& softmax) {
+    const WindowMask& mask = score.mask;
     const int tid = threadIdx.x;
     Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});
     Tensor sK = make_tensor(sQ.data() + size(sQ), typename Traits::SmemLayoutKV{});
@@ -76,10 +77,10 @@ struct FwdMainloop {
     Tensor tScS_rc = rowcol_view(tScS);
     for (bool first = true; n >= n_min; --n, first = false) {
       // Dropout's keep bits before S is live (Traits::kDropoutBitsFirst), or later on P in place.
+      constexpr int kAlign = Dropout::column_align(kBlockN);
       uint64_t keep = 0;
-      if constexpr (Traits::kDropoutBitsFirst) {
-        if (dropout.on()) keep = dropout.keep_bits<false, 8, Dropout::column_align(kBlockN)>(tScS_rc, m_block * kBlockM, n * kBlockN);
-      }
+      if constexpr (Traits::kDropoutBitsFirst)
+        keep = score.template keep_bits</*kTransposed=*/false, 8, kAlign>(tScS_rc, m_block * kBlockM, n * kBlockN);
       Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
       clear(acc_s);
       cp_async_wait<0>();
@@ -88,11 +89,8 @@ struct FwdMainloop {
       cp_async_fence();
 
       gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, copy_q, copy_k, thr_copy_q, thr_copy_k);
-      if (softcap.on()) softcap.tanh_scores(acc_s);
-      if (alibi.on()) alibi.apply(acc_s, tScS, mask, m_block * kBlockM, n * kBlockN);
-      if (mask.block_needs_mask<kBlockM, kBlockN>(m_block, n)) {
-        mask.apply(acc_s, tScS, m_block * kBlockM, n * kBlockN);
-      }
+      score.before_softmax(acc_s, tScS, m_block * kBlockM, n * kBlockN,
+                           mask.block_needs_mask<kBlockM, kBlockN>(m_block, n));
 
       cp_async_wait<0>();
       __syncthreads();  // V(n) visible to all; every warp finished reading K(n)
@@ -108,14 +106,11 @@ struct FwdMainloop {
         softmax.template update</*kFirst=*/false>(scores, o_rc);
       }
       // After the row sums, which are those of the undropped P.
-      if (dropout.on()) {
-        if constexpr (Traits::kDropoutBitsFirst) {
-          Dropout::apply_bits(scores, keep, Dropout::Zero{});
-        } else {
-          dropout.apply</*kTransposed=*/false, 8, Dropout::column_align(kBlockN)>(scores, tScS_rc, m_block * kBlockM, n * kBlockN,
-                                                                   Dropout::Zero{});
-        }
-      }
+      if constexpr (Traits::kDropoutBitsFirst)
+        score.drop_bits(scores, keep, Dropout::Zero{});
+      else
+        score.template drop</*kTransposed=*/false, 8, kAlign>(scores, tScS_rc, m_block * kBlockM, n * kBlockN,
+                                                              Dropout::Zero{});
       Tensor rP = convert_type<Element>(acc_s);
       Tensor tOrP = make_tensor(rP.data(), acc_as_a_layout(rP.layout()));
       gemm_rs(acc_o, tOrP, tOrVt, tOsVt, tiled_mma, copy_v, thr_copy_v);

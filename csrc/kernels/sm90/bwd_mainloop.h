@@ -17,11 +17,7 @@
 
 #include "kernels/common/block_info.h"
 #include "kernels/common/dq_semaphore.h"
-#include "kernels/common/mask.h"
-#include "kernels/common/score_features.h"
-#include "kernels/common/alibi.h"
-#include "kernels/common/dropout.h"
-#include "kernels/common/softcap.h"
+#include "kernels/common/score_policy.h"
 #include "kernels/sm90/bwd_traits.h"
 #include "kernels/sm90/utils.h"
 
@@ -105,11 +101,12 @@ struct RowStats {
   __device__ float operator()(int qi) const { return v[qi]; }
 };
 
-// Features: the score modifiers compiled in (common/score_features.h).
+// Features: the score modifiers compiled in (common/score_policy.h).
 template <typename Traits_, typename Features_ = AllScoreFeatures>
 struct BwdMainloop {
   using Traits = Traits_;
   using Features = Features_;
+  using Score = ScorePolicy<Features>;
   using Element = typename Traits::Element;
   using Pipeline = typename Traits::Pipeline;
   using PipelineState = typename Pipeline::PipelineState;
@@ -277,8 +274,8 @@ struct BwdMainloop {
   }
 
   // ALiBi's slope of a head where the step holds it (Traits::kHoldsFeatureValues), else unused.
-  __device__ static float head_slope(const Alibi& alibi) {
-    return Features::kAlibi && Traits::kHoldsFeatureValues && alibi.on() ? alibi.slope() : 0.f;
+  __device__ static float head_slope(const Score& score) {
+    return Traits::kHoldsFeatureValues && score.alibi_on() ? score.alibi.slope() : 0.f;
   }
 
   // The first half of a consumer step, shared by every layout: S^T = K Q^T and dP^T = V dO^T
@@ -291,8 +288,7 @@ struct BwdMainloop {
   __device__ static void scores(TiledMma& mma_sdp, const FragKV& tSrK, const FragQ& tSrQ, const FragKV& tdPrV,
                                 const FragQ& tdPrdO, Pipeline& pipeline_q, const PipelineState& st_q,
                                 Pipeline& pipeline_do, const PipelineState& st_do, typename Traits::SharedStorage& shared,
-                                int stats_offset, const WindowMask& mask, const Softcap& softcap, const Alibi& alibi,
-                                float alibi_slope, const Dropout& dropout, const Coords& tScS,
+                                int stats_offset, const Score& score, float alibi_slope, const Coords& tScS,
                                 int m, int n_block, float scale_log2, Acc& acc_s, Acc& acc_dp) {
     constexpr bool kT = Traits::kScoresTransposed;
     pipeline_q.consumer_wait(st_q);
@@ -307,21 +303,18 @@ struct BwdMainloop {
       gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_sdp, tdPrdO(_, _, _, st_do.index()), tdPrV, acc_dp);
     warpgroup_wait<1>();  // S^T done, dP^T running
     warpgroup_fence_operand(acc_s);
-    const bool softcap_on = Features::kSoftcap && softcap.on();
+    const bool softcap_on = score.softcap_on();
     constexpr bool kHoldDtanh = Features::kSoftcap && Traits::kHoldsFeatureValues;
     cute::array<uint32_t, kHoldDtanh ? decltype(size(acc_s))::value / 2 : 1> dt;  // 1 - t^2, fp16 pairs
-    if (softcap_on) {
-      if constexpr (kHoldDtanh)
-        softcap.tanh_scores(acc_s, dt);
-      else
-        softcap.tanh_scores(acc_s);
-    }
-    if (Features::kAlibi && alibi.on()) {
-      const float slope = Traits::kHoldsFeatureValues ? alibi_slope : alibi.slope();
-      Alibi::apply_slope<kT>(slope, acc_s, tScS, mask, m * kBlockM, n_block * kBlockN);
-    }
-    if (mask.block_needs_mask<kBlockM, kBlockN>(m, n_block))
-      mask.apply<kT>(acc_s, tScS, m * kBlockM, n_block * kBlockN);
+    score.template before_softmax<kT>(
+        acc_s, tScS, m * kBlockM, n_block * kBlockN, score.mask.template block_needs_mask<kBlockM, kBlockN>(m, n_block),
+        [&](Acc& s) {
+          if constexpr (kHoldDtanh)
+            score.softcap.tanh_scores(s, dt);
+          else
+            score.softcap.tanh_scores(s);
+        },
+        [&] { return Traits::kHoldsFeatureValues ? alibi_slope : score.alibi.slope(); });
     Tensor s = query_key_view(acc_s);
     const auto lse = query_stats<kStatQueries>(shared.lse_log2.data() + st_q.index() * kBlockM + stats_offset, tScS);
     CUTE_UNROLL
@@ -332,30 +325,12 @@ struct BwdMainloop {
     }
     // Drawn on P in place while dP^T runs: bits drawn before the GEMMs and held through them cost
     // the backward without dropout 2-6% at d = 64 (PERFLOG.md entry 44).
-    if (Features::kDropout && dropout.on())
-      dropout.apply<kT, 8, 32>(s, query_key_view(tScS), m * kBlockM, n_block * kBlockN, Dropout::Negate{});
+    score.template drop<kT, 8, 32>(s, query_key_view(tScS), m * kBlockM, n_block * kBlockN, Dropout::Negate{});
     warpgroup_wait<0>();  // dP^T done
     warpgroup_fence_operand(acc_dp);
     Tensor ds = query_key_view(acc_dp);
     const auto dpsum = query_stats<kStatQueries>(shared.dpsum.data() + st_do.index() * kBlockM + stats_offset, tScS);
-    if (Features::kDropout && dropout.on()) {
-      // A dropped P (negated) has dP = 0: dS = P (0 - D) = (-P) D.
-      const float keep_scale = Dropout::keep_scale(*dropout.p);
-      CUTE_UNROLL
-      for (int qi = 0; qi < size<0>(ds); ++qi) {
-        const float d_q = dpsum(qi);
-        CUTE_UNROLL
-        for (int ki = 0; ki < size<1>(ds); ++ki)
-          ds(qi, ki) = s(qi, ki) * (s(qi, ki) >= 0.f ? ds(qi, ki) * keep_scale - d_q : d_q);
-      }
-    } else {
-      CUTE_UNROLL
-      for (int qi = 0; qi < size<0>(ds); ++qi) {
-        const float d_q = dpsum(qi);
-        CUTE_UNROLL
-        for (int ki = 0; ki < size<1>(ds); ++ki) ds(qi, ki) = s(qi, ki) * (ds(qi, ki) - d_q);
-      }
-    }
+    score.scores_grad(s, ds, [&](int qi) { return dpsum(qi); });
     if constexpr (kHoldDtanh) {
       if (softcap_on) {  // the gradient of x = scale * s: through tanh's derivative
         CUTE_UNROLL
@@ -366,17 +341,9 @@ struct BwdMainloop {
       // dK GEMM) rather than held through the dP^T wait: at d = 64 (128 queries per step) holding
       // it spilled 216 B, in every call, softcap or not.
       const auto lse_again = query_stats<kStatQueries>(shared.lse_log2.data() + st_q.index() * kBlockM + stats_offset, tScS);
-      CUTE_UNROLL
-      for (int qi = 0; qi < size<0>(ds); ++qi) {
-        const float lse_q = lse_again(qi);
-        CUTE_UNROLL
-        for (int ki = 0; ki < size<1>(ds); ++ki) ds(qi, ki) *= softcap.dtanh(fabsf(s(qi, ki)), lse_q);
-      }
+      score.softcap_grad(s, ds, [&](int qi) { return lse_again(qi); });
     }
-    if (Features::kDropout && dropout.on()) {
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_s); ++i) acc_s(i) = fmaxf(acc_s(i), 0.f);
-    }
+    score.dropped_to_zero(acc_s);  // P for the dV GEMM
   }
 
   // Runs every step of the block for consumer thread `tid` (0 .. kNMmaThreads) and leaves its
@@ -416,8 +383,7 @@ struct BwdMainloop {
     Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
     constexpr int kQueries = decltype(size<0>(colrow_view(tScS)))::value;  // queries per thread
     static_assert(kQueries == kBlockM / 4);
-    const float scale_log2 = Softcap::softmax_scale(params.problem) * float(M_LOG2E);
-    const Softcap softcap(params.problem);
+    const float scale_log2 = Score::scale_log2(params.problem);
 
     PipelineState st_q, st_do;
     shared.kv_full.wait(0);
@@ -428,9 +394,8 @@ struct BwdMainloop {
     int i = 0;
 #pragma unroll 1
     for (int h = steps.head_begin; h < steps.head_begin + steps.heads; ++h) {
-      const Alibi alibi(params.problem, steps.batch, h);
-      const Dropout dropout(params.problem, steps.batch, h);
-      const float alibi_slope = head_slope(alibi);
+      const Score score(params.problem, mask, steps.batch, h);
+      const float alibi_slope = head_slope(score);
 #pragma unroll 1
       for (int m = steps.first(), end = steps.end(); m != end; m += steps.step, ++i) {
         if constexpr (kPacked) {
@@ -439,8 +404,8 @@ struct BwdMainloop {
         const int buf = i % Traits::kdSBuffers;
         Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
         Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
-        scores<kBlockM>(mma_sdp, tSrK, tSrQ, tdPrV, tdPrdO, pipeline_q, st_q, pipeline_do, st_do, shared, 0, mask,
-                        softcap, alibi, alibi_slope, dropout, tScS, m, n_block, scale_log2, acc_s, acc_dp);
+        scores<kBlockM>(mma_sdp, tSrK, tSrQ, tdPrV, tdPrdO, pipeline_q, st_q, pipeline_do, st_do, shared, 0, score,
+                        alibi_slope, tScS, m, n_block, scale_log2, acc_s, acc_dp);
         Tensor rP = convert_type<Element>(acc_s);
         Tensor rdS = convert_type<Element>(acc_dp);
         copy(r2s_ds, thr_r2s_ds.retile_S(rdS), tdSsdS(_, _, _, buf));

@@ -152,8 +152,7 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_, Features_> {
     Tensor tScS = thr_sdp.partition_C(make_identity_tensor(typename Traits::ScoreShape{}));
     constexpr int kQueries = decltype(size<0>(Base::query_key_view(tScS)))::value;  // queries per thread
     static_assert(kQueries == (kScoresTransposed ? kQueriesPerWarpgroup / 4 : kBlockM / 32));
-    const float scale_log2 = Softcap::softmax_scale(params.problem) * float(M_LOG2E);
-    const Softcap softcap(params.problem);
+    const float scale_log2 = Base::Score::scale_log2(params.problem);
     // This warpgroup's first query in the step's LSE and D.
     const int query_offset = kScoresTransposed ? (tid / 128) * kQueriesPerWarpgroup : 0;
 
@@ -167,9 +166,8 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_, Features_> {
 #pragma unroll 1
     for (int h = steps.head_begin; h < steps.head_begin + steps.heads; ++h) {
       const int64_t row = dq_row(params, steps, h, n_block);
-      const Alibi alibi(params.problem, steps.batch, h);
-      const Dropout dropout(params.problem, steps.batch, h);
-      const float alibi_slope = Base::head_slope(alibi);
+      const typename Base::Score score(params.problem, mask, steps.batch, h);
+      const float alibi_slope = Base::head_slope(score);
 #pragma unroll 1
       for (int m = steps.first(), end = steps.end(); m != end; m += steps.step, ++i) {
         if constexpr (kPacked) {
@@ -179,7 +177,7 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_, Features_> {
         Tensor acc_s = partition_fragment_C(mma_sdp, typename Traits::ScoreShape{});
         Tensor acc_dp = partition_fragment_C(mma_sdp, typename Traits::ScoreShape{});
         Base::template scores<kQueriesPerWarpgroup>(mma_sdp, tSrK, tSrQ, tdPrV, tdPrdO, pipeline_q, st_q, pipeline_do,
-                                                    st_do, shared, query_offset, mask, softcap, alibi, alibi_slope, dropout,
+                                                    st_do, shared, query_offset, score, alibi_slope,
                                                     tScS, m, n_block, scale_log2, acc_s, acc_dp);
         Tensor rP = convert_type<Element>(acc_s);
         Tensor rdS = convert_type<Element>(acc_dp);

@@ -11,9 +11,7 @@
 #include <cmath>
 
 #include "cutlass_flash/params.h"
-#include "kernels/common/mask.h"
-#include "kernels/common/dropout.h"
-#include "kernels/common/softcap.h"
+#include "kernels/common/score_policy.h"
 #include "kernels/common/softmax.h"
 #include "kernels/common/tile_scheduler.h"
 #include "kernels/sm90/fwd_epilogue.h"
@@ -28,6 +26,7 @@ template <typename Mainloop, typename Epilogue, typename Scheduler>
 __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
     fwd_kernel(const __grid_constant__ FwdKernelParams<typename Mainloop::Traits> params) {
   using Traits = typename Mainloop::Traits;
+  using Score = typename Mainloop::Score;
   using PipelineKV = typename Traits::PipelineKV;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
   extern __shared__ __align__(1024) char smem[];
@@ -99,18 +98,17 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
       Tensor acc_o = partition_fragment_C(mma_pv, Shape<_64, Int<Traits::kHeadDim>>{});
       clear(acc_o);
       Tensor acc_o_rc = rowcol_view(acc_o);
-      OnlineSoftmax<decltype(size<0>(acc_o_rc))::value> softmax(Softcap::softmax_scale(p) * float(M_LOG2E));
+      OnlineSoftmax<decltype(size<0>(acc_o_rc))::value> softmax(Score::scale_log2(p));
       // A tile whose rows see no key (causal with seqlen_q > seqlen_k, a window) takes the same
       // epilogue with O = 0 and lse = +inf (finalize's empty rows). A separate, non-inlined store
       // for it cost the d = 256 kernel 8 B of spills around the call (PERFLOG 65).
       if (n_min < n_max)
-        Mainloop::mma(shared, pipeline_k, pipeline_v, state, ping_pong, mask, Softcap(p), Alibi(p, tile.batch, tile.head),
-                      Dropout(p, tile.batch, tile.head), tile.block, n_min, n_max, p.is_varlen(), wg, tid, acc_o,
-                      softmax);
+        Mainloop::mma(shared, pipeline_k, pipeline_v, state, ping_pong, Score(p, mask, tile.batch, tile.head),
+                      tile.block, n_min, n_max, p.is_varlen(), wg, tid, acc_o, softmax);
       else
         Mainloop::release_q(shared);
       Tensor lse = make_tensor<float>(Shape<Int<decltype(size<0>(acc_o_rc))::value>>{});
-      softmax.finalize(acc_o_rc, lse, Softcap::softmax_scale(p), Dropout::keep_scale(p));
+      softmax.finalize(acc_o_rc, lse, Score::softmax_scale(p), Score::keep_scale(p));
       Epilogue::store(params, shared, tile, acc_o, lse);
     }
     Epilogue::finish(tid);

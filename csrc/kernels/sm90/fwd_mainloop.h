@@ -13,11 +13,7 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
-#include "kernels/common/mask.h"
-#include "kernels/common/score_features.h"
-#include "kernels/common/alibi.h"
-#include "kernels/common/dropout.h"
-#include "kernels/common/softcap.h"
+#include "kernels/common/score_policy.h"
 #include "kernels/common/softmax.h"
 #include "kernels/sm90/fwd_traits.h"
 #include "kernels/sm90/utils.h"
@@ -48,12 +44,13 @@ struct WarpScheduler {
   }
 };
 
-// Features: the score modifiers compiled in (common/score_features.h); without dropout where
+// Features: the score modifiers compiled in (common/score_policy.h); without dropout where
 // Traits::kDropoutKernel gives dropout a kernel of its own.
 template <typename Traits_, typename Features_ = AllScoreFeatures>
 struct FwdMainloop {
   using Traits = Traits_;
   using Features = Features_;
+  using Score = ScorePolicy<Features>;
   using Element = typename Traits::Element;
   using PipelineKV = typename Traits::PipelineKV;
   using PipelineState = typename PipelineKV::PipelineState;
@@ -199,10 +196,9 @@ struct FwdMainloop {
   __device__ __forceinline__ static void mma(typename Traits::SharedStorage& shared, PipelineKV& pipeline_k,
                                              PipelineKV& pipeline_v, ConsumerState& st,
                                              const WarpScheduler<Traits::kNMmaWarpGroups>& scheduler,
-                                             const WindowMask& mask, const Softcap& softcap, const Alibi& alibi,
-                                             const Dropout& dropout, int m_block,
-                                             int n_min, int n_max, bool packed, int wg, int tid, AccO& acc_o,
-                                             Softmax& softmax) {
+                                             const Score& score, int m_block, int n_min, int n_max, bool packed,
+                                             int wg, int tid, AccO& acc_o, Softmax& softmax) {
+    const WindowMask& mask = score.mask;
     typename Traits::TiledMmaQK mma_qk;
     typename Traits::TiledMmaPV mma_pv;
     auto thr_qk = mma_qk.get_thread_slice(tid);
@@ -227,26 +223,19 @@ struct FwdMainloop {
     // Whether key block n needs element-wise masking for any row of the tile (one uniform test).
     auto needs_mask = [&](int n) { return mask.block_needs_mask<kBlockM, kBlockN>(m_block, n); };
     auto scores = [&](auto& tSrS, int n_block, bool masked) {
-      if (Features::kSoftcap && softcap.on()) softcap.tanh_scores(tSrS);
-      if (Features::kAlibi && alibi.on()) alibi.apply(tSrS, tScS, mask, row_offset, n_block * kBlockN);
-      if (masked) mask.apply(tSrS, tScS, row_offset, n_block * kBlockN);
+      score.before_softmax(tSrS, tScS, row_offset, n_block * kBlockN, masked);
     };
     // Dropout after max_and_exp, whose row sums are those of the undropped P: on the fp32 P while
     // the previous P V GEMM runs, or on the 16-bit P after it (Traits::kDropoutOnP16).
-    const bool dropout_on = Features::kDropout && dropout.on();
     constexpr int kAlign = Dropout::column_align(kBlockN);
-    auto drop = [&](auto&& p_rc, int n_block) {
-      if (dropout_on)
-        dropout.apply</*kTransposed=*/false, 8, kAlign>(p_rc, rowcol_view(tScS), row_offset, n_block * kBlockN,
-                                                        Dropout::Zero{});
-    };
     auto drop_fp32 = [&](auto& s_rc, int n_block) {
-      if constexpr (!Traits::kDropoutOnP16) drop(s_rc, n_block);
+      if constexpr (!Traits::kDropoutOnP16)
+        score.template drop</*kTransposed=*/false, 8, kAlign>(s_rc, rowcol_view(tScS), row_offset, n_block * kBlockN,
+                                                              Dropout::Zero{});
     };
     auto drop_p16 = [&](int n_block) {
-      if constexpr (Traits::kDropoutOnP16) {
-        if (dropout_on) dropout.zero_dropped_p16<kAlign>(rowcol_view(rP), rowcol_view(tScS), row_offset, n_block * kBlockN);
-      }
+      if constexpr (Traits::kDropoutOnP16)
+        score.template drop_p16<kAlign>(rowcol_view(rP), rowcol_view(tScS), row_offset, n_block * kBlockN);
     };
 
     // Key blocks of the tile above this warpgroup's last row (a 192-row tile spans 1.5 key blocks
