@@ -126,9 +126,10 @@ FAMILIES: Tuple[Family, ...] = (
     Family(arch=80, directions=("fwd", "bwd"), head_dims=HEAD_DIMS,
            sass_default=("80", "90"),
            sass_allowed=tuple(s for s in KNOWN_SASS if s != "90a"),
-           # No narrow_head_dim: cp.async loads and stores predicated by column cost the family
-           # 3% (median) and the d = 256 forward 15% on an H100 (sm_90 SASS, PERFLOG 92).
-           varlen=("fwd", "bwd")),
+           varlen=("fwd", "bwd"),
+           # In kernels of their own (Traits::kNarrow): predicates by column in every kernel cost
+           # the family 3% (median) and the d = 256 forward 15% on an H100 (PERFLOG 92).
+           narrow_head_dim=("fwd", "bwd")),
     # Hopper (FlashAttention-3-style: TMA, wgmma, warp specialization). wgmma and setmaxnreg
     # exist only in the arch-specific sm_90a target.
     # Backward at every head dim: keys per warpgroup at d <= 128, split d at 192 (queries as

@@ -24,7 +24,7 @@ VARLEN = {80: ('fwd', 'bwd'), 90: ('fwd', 'bwd')}
 
 #: family arch -> directions whose kernels take tensors narrower than their tile (head_dim_real):
 #: the others are given zero-padded copies.
-NARROW_HEAD_DIM = {80: (), 90: ('fwd', 'bwd')}
+NARROW_HEAD_DIM = {80: ('fwd', 'bwd'), 90: ('fwd', 'bwd')}
 
 #: family arch -> {direction: head dims whose kernels take softcap and alibi_slopes in one call}.
 SOFTCAP_ALIBI = {80: {'fwd': (64, 96, 128, 192, 256), 'bwd': ()}, 90: {'fwd': (64, 96, 128, 192, 256), 'bwd': (96, 128, 192, 256)}}

@@ -47,16 +47,20 @@ template <typename Features_>
 struct ScorePolicy {
   using Features = Features_;
   WindowMask mask;
-  Softcap softcap;
-  Alibi alibi;
-  Dropout dropout;
+  // The modifiers' values are derived from the parameters (constant memory) where they are used,
+  // not held: a held softcap (three floats) spilled 16 B in the sm80 d = 256 forward.
+  const AttnProblem* p;
+  int batch, head;
 
-  __device__ ScorePolicy(const AttnProblem& p, const WindowMask& m, int batch, int head)
-      : mask(m), softcap(p), alibi(p, batch, head), dropout(p, batch, head) {}
+  __device__ ScorePolicy(const AttnProblem& problem, const WindowMask& m, int b, int h)
+      : mask(m), p(&problem), batch(b), head(h) {}
 
-  __device__ bool softcap_on() const { return Features::kSoftcap && softcap.on(); }
-  __device__ bool alibi_on() const { return Features::kAlibi && alibi.on(); }
-  __device__ bool dropout_on() const { return Features::kDropout && dropout.on(); }
+  __device__ Softcap softcap() const { return Softcap(*p); }
+  __device__ Alibi alibi() const { return Alibi(*p, batch, head); }
+  __device__ Dropout dropout() const { return Dropout(*p, batch, head); }
+  __device__ bool softcap_on() const { return Features::kSoftcap && p->softcap > 0.f; }
+  __device__ bool alibi_on() const { return Features::kAlibi && p->alibi_slopes != nullptr; }
+  __device__ bool dropout_on() const { return Features::kDropout && p->dropout_p > 0.f; }
 
   // What the softmax multiplies the scores by after before_softmax: cap under softcap, else the
   // softmax scale; scale_log2, times log2(e) for exp2.
@@ -84,22 +88,22 @@ struct ScorePolicy {
   template <bool kTransposed = false, typename TensorS, typename TensorC>
   __device__ void before_softmax(TensorS& s, const TensorC& coords, int row0, int col0, bool masked) const {
     before_softmax<kTransposed>(
-        s, coords, row0, col0, masked, [&](TensorS& x) { softcap.tanh_scores(x); }, [&] { return alibi.slope(); });
+        s, coords, row0, col0, masked, [&](TensorS& x) { softcap().tanh_scores(x); }, [&] { return alibi().slope(); });
   }
 
   // Dropout on P after the row sums (those of the undropped P): op(p, keep) on each probability
   // (Dropout::Zero in the forward; Dropout::Negate in the backward, the mask carried in the sign
   // to dS and the dV GEMM). Arguments as Dropout::apply.
   template <bool kTransposed, int kPairStep, int kAlign, typename TensorP, typename TensorC, typename Op>
-  __device__ void drop(TensorP&& p, const TensorC& c, int row0, int col0, Op op) const {
-    if (dropout_on()) dropout.template apply<kTransposed, kPairStep, kAlign>(p, c, row0, col0, op);
+  __device__ void drop(TensorP&& probs, const TensorC& c, int row0, int col0, Op op) const {
+    if (dropout_on()) dropout().template apply<kTransposed, kPairStep, kAlign>(probs, c, row0, col0, op);
   }
 
   // drop() in two halves, for a mainloop whose registers allow the Philox draws only before S is
   // live: the keep bits drawn ahead (Dropout::keep_bits; 0 when off), then applied to P.
   template <bool kTransposed, int kPairStep, int kAlign, typename TensorC>
   __device__ uint64_t keep_bits(const TensorC& c, int row0, int col0) const {
-    return dropout_on() ? dropout.template keep_bits<kTransposed, kPairStep, kAlign>(c, row0, col0) : 0;
+    return dropout_on() ? dropout().template keep_bits<kTransposed, kPairStep, kAlign>(c, row0, col0) : 0;
   }
   template <typename TensorP, typename Op>
   __device__ void drop_bits(TensorP&& p, uint64_t bits, Op op) const {
@@ -107,31 +111,31 @@ struct ScorePolicy {
   }
   // drop(..., Zero) on the 16-bit P (the sm90 forward's, Dropout::zero_dropped_p16).
   template <int kAlign, typename TensorP, typename TensorC>
-  __device__ void drop_p16(TensorP&& p, const TensorC& c, int row0, int col0) const {
-    if (dropout_on()) dropout.template zero_dropped_p16<kAlign>(p, c, row0, col0);
+  __device__ void drop_p16(TensorP&& p16, const TensorC& c, int row0, int col0) const {
+    if (dropout_on()) dropout().template zero_dropped_p16<kAlign>(p16, c, row0, col0);
   }
 
   // Backward: dS = P (dP - D) in place of dP, on (query, key) views of P and dP; dpsum(q): D of
   // view row q. Under dropout dP is the GEMM's times the keep scale and a dropped P (negated by
   // drop(..., Negate)) has dP = 0: dS = (-P) D.
   template <typename TensorP, typename TensordS, typename Dpsum>
-  __device__ void scores_grad(const TensorP& p, TensordS& ds, Dpsum&& dpsum) const {
+  __device__ void scores_grad(const TensorP& probs, TensordS& ds, Dpsum&& dpsum) const {
     using namespace cute;
     if (dropout_on()) {
-      const float keep_scale = Dropout::keep_scale(*dropout.p);
+      const float keep_scale = Dropout::keep_scale(*p);
       CUTE_UNROLL
       for (int qi = 0; qi < size<0>(ds); ++qi) {
         const float d_q = dpsum(qi);
         CUTE_UNROLL
         for (int ki = 0; ki < size<1>(ds); ++ki)
-          ds(qi, ki) = p(qi, ki) * (p(qi, ki) >= 0.f ? ds(qi, ki) * keep_scale - d_q : d_q);
+          ds(qi, ki) = probs(qi, ki) * (probs(qi, ki) >= 0.f ? ds(qi, ki) * keep_scale - d_q : d_q);
       }
     } else {
       CUTE_UNROLL
       for (int qi = 0; qi < size<0>(ds); ++qi) {
         const float d_q = dpsum(qi);
         CUTE_UNROLL
-        for (int ki = 0; ki < size<1>(ds); ++ki) ds(qi, ki) = p(qi, ki) * (ds(qi, ki) - d_q);
+        for (int ki = 0; ki < size<1>(ds); ++ki) ds(qi, ki) = probs(qi, ki) * (ds(qi, ki) - d_q);
       }
     }
   }
@@ -139,23 +143,24 @@ struct ScorePolicy {
   // Backward: dS times tanh's derivative, t recovered from P (Softcap::dtanh); lse_log2(q): the
   // LSE of view row q, times log2(e).
   template <typename TensorP, typename TensordS, typename Lse>
-  __device__ void softcap_grad(const TensorP& p, TensordS& ds, Lse&& lse_log2) const {
+  __device__ void softcap_grad(const TensorP& probs, TensordS& ds, Lse&& lse_log2) const {
     using namespace cute;
     if (!softcap_on()) return;
+    const Softcap softcap = this->softcap();
     CUTE_UNROLL
     for (int qi = 0; qi < size<0>(ds); ++qi) {
       const float lse_q = lse_log2(qi);
       CUTE_UNROLL
-      for (int ki = 0; ki < size<1>(ds); ++ki) ds(qi, ki) *= softcap.dtanh(fabsf(p(qi, ki)), lse_q);
+      for (int ki = 0; ki < size<1>(ds); ++ki) ds(qi, ki) *= softcap.dtanh(fabsf(probs(qi, ki)), lse_q);
     }
   }
 
   // Backward: P for the dV GEMM, the dropped ones (negative) zeroed.
   template <typename TensorP>
-  __device__ void dropped_to_zero(TensorP& p) const {
+  __device__ void dropped_to_zero(TensorP& probs) const {
     if (!dropout_on()) return;
     CUTE_UNROLL
-    for (int i = 0; i < cute::size(p); ++i) p(i) = fmaxf(p(i), 0.f);
+    for (int i = 0; i < cute::size(probs); ++i) probs(i) = fmaxf(probs(i), 0.f);
   }
 };
 

@@ -17,9 +17,9 @@ struct BwdEpilogue {
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kHeadDim = Traits::kHeadDim;
 
-  template <typename TensorAcc, typename TensorG>
+  template <typename TensorAcc, typename TensorG, typename Cols>
   __device__ static void store(TensorAcc& acc_dk, TensorAcc& acc_dv, TensorG& gdK, TensorG& gdV,
-                               float softmax_scale, float dv_scale, char* smem, int rows_left) {
+                               float softmax_scale, float dv_scale, char* smem, int rows_left, Cols cols) {
     const int tid = threadIdx.x;
     CUTE_UNROLL
     for (int i = 0; i < size(acc_dk); ++i) {
@@ -49,8 +49,8 @@ struct BwdEpilogue {
     copy(copy_s2g, tdVsdV, tdVrdV);
     Tensor tdKgdK = thr_s2g.partition_D(gdK);
     Tensor tdVgdV = thr_s2g.partition_D(gdV);
-    store_rows(copy_s2g, tdKrdK, tdKgdK, tcoord, rows_left);
-    store_rows(copy_s2g, tdVrdV, tdVgdV, tcoord, rows_left);
+    store_rows(copy_s2g, tdKrdK, tdKgdK, tcoord, rows_left, cols);
+    store_rows(copy_s2g, tdVrdV, tdVgdV, tcoord, rows_left, cols);
   }
 };
 

@@ -60,7 +60,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_convert_dq_kernel(const
   const int rows_left = seq.seqlen_q - m_block * kBlockM;
   CUTE_UNROLL
   for (int i = 0; i < size(rdq); ++i) {
-    if (get<0>(tcoord(i)) < rows_left) tdq(i) = rdq(i);
+    if (get<0>(tcoord(i)) < rows_left && get<1>(tcoord(i)) < p.cols()) tdq(i) = rdq(i);
   }
 }
 
@@ -133,7 +133,7 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
     Tensor gK = key_tile(params.k, kv_seq, kv);
     Tensor gV = key_tile(params.v, kv_seq, kv);
     if (g > 0) __syncthreads();  // the last head's final reads of shared memory are done
-    Mainloop::run(gQ, gdO, gK, gV, dq_accum, lse, dpsum, smem, Score(p, mask, tile.batch, head), n_block, m_min,
+    Mainloop::run(gQ, gdO, gK, gV, dq_accum, lse, dpsum, smem, p, Score(p, mask, tile.batch, head), n_block, m_min,
                   m_max, Score::scale_log2(p), acc_dk, acc_dv, dq_order);
   }
   // dK and dV's addresses and rows likewise from the tile read after the loop.
@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
   Tensor gdK = key_tile(params.dk, out_seq, out);
   Tensor gdV = key_tile(params.dv, out_seq, out);
   Epilogue::store(acc_dk, acc_dv, gdK, gdV, p.softmax_scale, Score::keep_scale(p), smem,
-                  out_seq.seqlen_k - out.block * kBlockN);
+                  out_seq.seqlen_k - out.block * kBlockN, tile_cols<Traits::kNarrow>(p));
 }
 
 }  // namespace cutlass_flash::sm80

@@ -14,14 +14,13 @@
 namespace cutlass_flash::sm80 {
 
 // The main kernel over n_blocks key blocks of each (head, batch), or over a packed batch's list
-// (n_blocks = 0, the list's capacity in sched).
+// (sched.tiles).
 template <typename Traits, typename Features, typename Scheduler>
 Status launch_bwd_main(const BwdParams& params, const GridTileParams& sched, int n_blocks, cudaStream_t stream) {
   constexpr auto kernel = bwd_kernel<BwdMainloop<Traits, Features>, BwdEpilogue<Traits>, Scheduler>;
   if (Status s = ensure_smem_limit<kernel>(Traits::kSmemBytes); !s.ok()) return s;
   const AttnProblem& p = params.problem;
-  const dim3 grid = Scheduler::kPackable ? Scheduler::grid(sched, 0, p.nheads_kv, 1)
-                                         : Scheduler::grid(sched, n_blocks, p.nheads_kv, p.batch);
+  const dim3 grid = Scheduler::grid(sched, n_blocks, p.nheads_kv, p.batch);
   kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(params, sched);
   return cuda_status(cudaGetLastError(), "sm80 backward launch");
 }
@@ -31,6 +30,9 @@ Status run_bwd(const BwdParams& params, cudaStream_t stream) {
   constexpr BwdTile kTile = bwd_tile(kHeadDim);
   using Traits = BwdTraits<kHeadDim, kTile.block_m, kTile.block_n, kTile.warps, kTile.atom_m_sdp, kTile.atom_n_dkv,
                            kTile.atom_m_dq, kTile.q_stages, Element, kTile.late_offsets>;
+  using NarrowTraits = BwdTraits<kHeadDim, kTile.block_m, kTile.block_n, kTile.warps, kTile.atom_m_sdp,
+                                 kTile.atom_n_dkv, kTile.atom_m_dq, kTile.q_stages, Element, kTile.late_offsets,
+                                 /*kNarrow=*/true>;
   const AttnProblem& p = params.problem;
   if (Status s = check_smem_fits(Traits::kSmemBytes, "sm80 backward"); !s.ok()) return s;
   // A packed batch: its query rows (preprocess, dQ conversion) and key blocks (main kernel) are
@@ -49,19 +51,20 @@ Status run_bwd(const BwdParams& params, cudaStream_t stream) {
     bwd_preprocess_kernel<kFamilyArch, kHeadDim, Element, false><<<pre_grid, BwdPreprocess::kWarps * 32, 0, stream>>>(params, rows);
   if (Status s = cuda_status(cudaGetLastError(), "sm80 backward preprocess launch"); !s.ok()) return s;
 
-  // Three instantiations: dense calls run kernels without the packed path (DenseGridTileScheduler:
+  // Four instantiations: dense calls run kernels without the packed path (DenseGridTileScheduler:
   // register spills), and those without softcap, ALiBi or dropout one with them compiled out too
-  // (PlainScores: the switches cost those calls up to a tenth, PERFLOG.md entry 93).
-  if (p.is_varlen()) {
-    if (Status s = launch_bwd_main<Traits, AllScoreFeatures, GridTileScheduler>(params, sched, 0, stream); !s.ok())
-      return s;
-  } else {
-    const int n_blocks = ceil_div(p.seqlen_k, kTile.block_n);
-    Status s = PlainScores::covers(p)
-                   ? launch_bwd_main<Traits, PlainScores, DenseGridTileScheduler>(params, {}, n_blocks, stream)
-                   : launch_bwd_main<Traits, AllScoreFeatures, DenseGridTileScheduler>(params, {}, n_blocks, stream);
-    if (!s.ok()) return s;
-  }
+  // (PlainScores: the switches cost those calls up to a tenth, PERFLOG.md entry 93); tensors
+  // narrower than the tile (head_dim_real), dense or packed, one that predicates by column
+  // (BwdTraits::kNarrow).
+  const int n_blocks = ceil_div(p.seqlen_k, kTile.block_n);
+  const Status s = p.cols() != kHeadDim
+                       ? launch_bwd_main<NarrowTraits, AllScoreFeatures, GridTileScheduler>(params, sched, n_blocks, stream)
+                   : p.is_varlen()
+                       ? launch_bwd_main<Traits, AllScoreFeatures, GridTileScheduler>(params, sched, n_blocks, stream)
+                   : PlainScores::covers(p)
+                       ? launch_bwd_main<Traits, PlainScores, DenseGridTileScheduler>(params, {}, n_blocks, stream)
+                       : launch_bwd_main<Traits, AllScoreFeatures, DenseGridTileScheduler>(params, {}, n_blocks, stream);
+  if (!s.ok()) return s;
 
   static_assert(kBwdRowAlign % kTile.block_m == 0, "dQ conversion blocks split the packed row tiles");
   const dim3 q_grid = rows.count != nullptr ? dim3(unsigned(rows.capacity * (kBwdRowAlign / kTile.block_m)), p.nheads, 1)

@@ -98,7 +98,7 @@ struct BwdMainloop {
   template <typename TensorQ, typename TensorK, typename TensorAcc>
   __device__ static void run(const TensorQ& gQ, const TensorQ& gdO, const TensorK& gK, const TensorK& gV,
                              float* dq_accum, const float* lse, const float* dpsum, char* smem,
-                             const Score& score, int n_block, int m_min, int m_max, float scale_log2,
+                             const AttnProblem& p, const Score& score, int n_block, int m_min, int m_max, float scale_log2,
                              TensorAcc& acc_dk, TensorAcc& acc_dv, const BwdDqOrder& dq_order) {
     const WindowMask& mask = score.mask;
     const int tid = threadIdx.x;
@@ -132,7 +132,7 @@ struct BwdMainloop {
       auto thr = gmem_copy.get_thread_slice(t);
       Tensor tcoord = thr.partition_S(make_identity_tensor(shape(g_tile)));
       Tensor dst = thr.partition_D(s_tile);
-      copy_rows(gmem_copy, thr.partition_S(g_tile), dst, tcoord, rows);
+      copy_rows(gmem_copy, thr.partition_S(g_tile), dst, tcoord, rows, tile_cols<Traits::kNarrow>(p));  // p: constant memory
     };
 
     // S = Q K^T and dP = dO V^T.

@@ -19,7 +19,7 @@ template <typename SmemLayout, int kRows, int kCols>
 using Transposed = decltype(composition(SmemLayout{}, make_layout(Shape<Int<kCols>, Int<kRows>>{}, GenRowMajor{})));
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kAtomMSdP, int kAtomNdKV, int kAtomMdQ,
-          int kQStages_, typename Element_, bool kLateOffsets_>
+          int kQStages_, typename Element_, bool kLateOffsets_, bool kNarrow_ = false>
 struct BwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -29,6 +29,7 @@ struct BwdTraits {
   static constexpr int kNThreads = kNWarps * 32;
   static constexpr int kQStages = kQStages_;
   static constexpr bool kLateOffsets = kLateOffsets_;  // tile_config.h: BwdTile::late_offsets
+  static constexpr bool kNarrow = kNarrow_;            // as FwdTraits::kNarrow
 
   using TiledMmaSdP = BwdTiledMma<Element, kNWarps, kAtomMSdP>;  // (kBlockM, kBlockN) tiles
   // Warps along N of S: above 1, a thread's n8 column groups are 8 * kWarpsNSdP columns apart.

@@ -19,9 +19,9 @@ struct FwdEpilogue {
   // gO: (kBlockM, d) of this block; lse_out: the row of LSE for this block's first query row;
   // rows_left: valid query rows from this block's first one. smem may alias Q: the mainloop's
   // last barrier comes after its last read of Q.
-  template <typename TensorAcc, typename TensorL, typename TensorGO>
+  template <typename TensorAcc, typename TensorL, typename TensorGO, typename Cols>
   __device__ static void store(const TensorAcc& acc_o, const TensorL& lse, TensorGO& gO, float* lse_out,
-                               char* smem, int rows_left) {
+                               char* smem, int rows_left, Cols cols) {
     const int tid = threadIdx.x;
     Tensor sO = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});
     typename Traits::TiledMma tiled_mma;
@@ -52,7 +52,7 @@ struct FwdEpilogue {
     Tensor tOcOg = thr_s2g.partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
     Tensor tOrOg = make_fragment_like(tOsO);
     copy(copy_s2g, tOsO, tOrOg);
-    store_rows(copy_s2g, tOrOg, tOgO, tOcOg, rows_left);
+    store_rows(copy_s2g, tOrOg, tOgO, tOcOg, rows_left, cols);
   }
 };
 

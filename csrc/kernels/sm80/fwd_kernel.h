@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
   if (n_min < n_max) {
     using Score = typename Mainloop::Score;
     OnlineSoftmax<kRows> softmax(Score::scale_log2(p));
-    Mainloop::run(gQ, gK, gV, smem, Score(p, mask, tile.batch, head), m_block, n_min, n_max, acc_o, softmax);
+    Mainloop::run(gQ, gK, gV, smem, p, Score(p, mask, tile.batch, head), m_block, n_min, n_max, acc_o, softmax);
     Tensor o_rc = rowcol_view(acc_o);
     softmax.finalize(o_rc, lse, Score::softmax_scale(p), Score::keep_scale(p));
   } else {
@@ -65,7 +65,7 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
   }
 
   float* lse_out = params.lse + seq.lse_row(p, head) + m_block * kBlockM;
-  Epilogue::store(acc_o, lse, gO, lse_out, smem, seq.seqlen_q - m_block * kBlockM);
+  Epilogue::store(acc_o, lse, gO, lse_out, smem, seq.seqlen_q - m_block * kBlockM, tile_cols<Traits::kNarrow>(p));
 }
 
 }  // namespace cutlass_flash::sm80

@@ -21,16 +21,20 @@ Status launch_fwd(const FwdParams& params, const GridTileParams& sched, cudaStre
   return cuda_status(cudaGetLastError(), "sm80 forward launch");
 }
 
-// Two instantiations: the calls without softcap, ALiBi, dropout or a packed batch run one with
+// Three instantiations: the calls without softcap, ALiBi, dropout or a packed batch run one with
 // those compiled out (PlainScores, DenseGridTileScheduler: the runtime switches cost those calls
-// up to a third, PERFLOG.md entry 93); every other call runs the one with all of them.
+// up to a third, PERFLOG.md entry 93); tensors narrower than the tile (head_dim_real) one with
+// all of them that predicates by column (FwdTraits::kNarrow); every other call the one with all
+// of them.
 template <int kHeadDim, typename Element>
 Status run_fwd(const FwdParams& params, cudaStream_t stream) {
   constexpr FwdTile kTile = fwd_tile(kHeadDim);
   using Traits = FwdTraits<kHeadDim, kTile.block_m, kTile.block_n, kTile.warps, Element>;
+  using NarrowTraits = FwdTraits<kHeadDim, kTile.block_m, kTile.block_n, kTile.warps, Element, /*kNarrow=*/true>;
   if (Status s = check_smem_fits(Traits::kSmemBytes, "sm80 forward"); !s.ok()) return s;
   const AttnProblem& p = params.problem;
-  if (!p.is_varlen() && PlainScores::covers(p))
+  const bool narrow = p.cols() != kHeadDim;
+  if (!narrow && !p.is_varlen() && PlainScores::covers(p))
     return launch_fwd<Traits, PlainScores, DenseGridTileScheduler>(params, {}, stream);
   // A packed batch: its query blocks are listed first (common/varlen_tiles.h), one block each.
   GridTileScheduler::Params sched;
@@ -42,7 +46,8 @@ Status run_fwd(const FwdParams& params, cudaStream_t stream) {
     if (Status s = cuda_status(launch_varlen_tiles(args, stream), "sm80 forward: packed batch tile list"); !s.ok())
       return s;
   }
-  return launch_fwd<Traits, AllScoreFeatures, GridTileScheduler>(params, sched, stream);
+  return narrow ? launch_fwd<NarrowTraits, AllScoreFeatures, GridTileScheduler>(params, sched, stream)
+                : launch_fwd<Traits, AllScoreFeatures, GridTileScheduler>(params, sched, stream);
 }
 
 }  // namespace cutlass_flash::sm80

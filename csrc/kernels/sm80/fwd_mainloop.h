@@ -29,7 +29,7 @@ struct FwdMainloop {
   // gQ: (kBlockM, d); gK, gV: (kBlockN, d, num_n_blocks). Runs key blocks [n_min, n_max).
   template <typename TensorQ, typename TensorK, typename TensorV, typename TensorO, typename Softmax>
   __device__ static void run(const TensorQ& gQ, const TensorK& gK, const TensorV& gV, char* smem,
-                             const Score& score, int m_block, int n_min, int n_max, TensorO& acc_o,
+                             const AttnProblem& p, const Score& score, int m_block, int n_min, int n_max, TensorO& acc_o,
                              Softmax& softmax) {
     const WindowMask& mask = score.mask;
     const int tid = threadIdx.x;
@@ -68,9 +68,10 @@ struct FwdMainloop {
     Tensor tOsVt = thr_copy_v.partition_S(sVt);
 
     const int seqlen_k = mask.seqlen_k;
-    copy_rows(gmem_copy, tQgQ, tQsQ, tQcQ, mask.seqlen_q - m_block * kBlockM);
+    const auto cols = tile_cols<Traits::kNarrow>(p);  // p: constant memory
+    copy_rows(gmem_copy, tQgQ, tQsQ, tQcQ, mask.seqlen_q - m_block * kBlockM, cols);
     int n = n_max - 1;
-    copy_rows(gmem_copy, tKgK(_, _, _, n), tKsK, tKVcKV, seqlen_k - n * kBlockN);
+    copy_rows(gmem_copy, tKgK(_, _, _, n), tKsK, tKVcKV, seqlen_k - n * kBlockN, cols);
     cp_async_fence();
 
     Tensor o_rc = rowcol_view(acc_o);
@@ -85,7 +86,7 @@ struct FwdMainloop {
       clear(acc_s);
       cp_async_wait<0>();
       __syncthreads();  // K(n) visible to all; every warp finished reading V(n+1)
-      copy_rows(gmem_copy, tVgV(_, _, _, n), tVsV, tKVcKV, seqlen_k - n * kBlockN);
+      copy_rows(gmem_copy, tVgV(_, _, _, n), tVsV, tKVcKV, seqlen_k - n * kBlockN, cols);
       cp_async_fence();
 
       gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, copy_q, copy_k, thr_copy_q, thr_copy_k);
@@ -95,7 +96,7 @@ struct FwdMainloop {
       cp_async_wait<0>();
       __syncthreads();  // V(n) visible to all; every warp finished reading K(n)
       if (n > n_min) {
-        copy_rows(gmem_copy, tKgK(_, _, _, n - 1), tKsK, tKVcKV, seqlen_k - (n - 1) * kBlockN);
+        copy_rows(gmem_copy, tKgK(_, _, _, n - 1), tKsK, tKVcKV, seqlen_k - (n - 1) * kBlockN, cols);
         cp_async_fence();
       }
 

@@ -32,7 +32,9 @@ struct SmemTileLayout {
       Layout<Shape<Int<kThreads / kThreadsPerRow>, Int<kThreadsPerRow>>, Stride<Int<kThreadsPerRow>, _1>>;
 };
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, typename Element_>
+// kNarrow: reads and writes tensors narrower than the tile (a head dim zero-padded on chip,
+// tile_cols); a separate instantiation, so that the others carry no column predicate.
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, typename Element_, bool kNarrow_ = false>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -40,6 +42,7 @@ struct FwdTraits {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kNWarps = kNWarps_;
   static constexpr int kNThreads = kNWarps * 32;
+  static constexpr bool kNarrow = kNarrow_;
   // Dropout's keep bits drawn before S is live (Dropout::keep_bits) rather than on P in place:
   // in place spilled 16 B at d = 128 and 60 B at d = 256.
   static constexpr bool kDropoutBitsFirst = kHeadDim >= 128;

@@ -5,6 +5,7 @@
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_conversion.h>
 
+#include "cutlass_flash/params.h"
 #include "kernels/common/convert.h"
 
 namespace cutlass_flash::sm80 {
@@ -70,30 +71,69 @@ __device__ __forceinline__ void gemm_rs(TensorAcc& acc, const TensorRA& rA, Tens
   }
 }
 
+// The columns of a (rows, head_dim) tile that exist in memory: all of them (AllCols: tensors as
+// wide as the tile), or the first n (FirstCols: a narrow head dim read in place,
+// AttnProblem::cols, a multiple of 8). Only the kernels built for narrow tensors
+// (Traits::kNarrow) predicate by column: predicates in every kernel cost the plain calls 3% (15% at
+// d = 256, forward) on an H100 (PERFLOG.md entry 92).
+struct AllCols {
+  static constexpr bool kAll = true;
+  __device__ bool has(int) const { return true; }
+};
+struct FirstCols {
+  static constexpr bool kAll = false;
+  int n;
+  __device__ bool has(int col) const { return col < n; }
+};
+template <bool kNarrow>
+__device__ __forceinline__ auto tile_cols(const AttnProblem& p) {
+  if constexpr (kNarrow)
+    return FirstCols{p.cols()};
+  else
+    return AllCols{};
+}
+
 // Global -> shared copy of a (rows, head_dim) tile, partitioned by a cp.async tiled copy:
-// (CPY, CPY_M, CPY_K). Rows at or past `max_rows` are zero-filled in shared memory instead of
-// read, so a partial tile at the end of a sequence never reads out of bounds and never feeds
-// garbage (possibly NaN) into the next GEMM.
-template <typename TiledCopy, typename TensorG, typename TensorS, typename TensorC>
+// (CPY, CPY_M, CPY_K). Rows at or past `max_rows` and the columns not in `cols` are zero-filled
+// in shared memory instead of read, so a partial tile never reads out of bounds and never feeds
+// garbage (possibly NaN) into the next GEMM (zero columns add nothing to it). Each copy moves 8
+// columns.
+template <typename TiledCopy, typename TensorG, typename TensorS, typename TensorC, typename Cols = AllCols>
 __device__ __forceinline__ void copy_rows(const TiledCopy& tiled_copy, const TensorG& src, TensorS& dst,
-                                          const TensorC& coords, int max_rows) {
+                                          const TensorC& coords, int max_rows, Cols cols = {}) {
   CUTE_UNROLL
   for (int m = 0; m < size<1>(src); ++m) {
-    if (get<0>(coords(0, m, 0)) < max_rows) {
-      copy(tiled_copy, src(_, m, _), dst(_, m, _));
+    if constexpr (Cols::kAll) {
+      if (get<0>(coords(0, m, 0)) < max_rows) {
+        copy(tiled_copy, src(_, m, _), dst(_, m, _));
+      } else {
+        clear(dst(_, m, _));
+      }
     } else {
-      clear(dst(_, m, _));
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(src); ++k) {
+        if (get<0>(coords(0, m, k)) < max_rows && cols.has(get<1>(coords(0, m, k)))) {
+          copy(tiled_copy, src(_, m, k), dst(_, m, k));
+        } else {
+          clear(dst(_, m, k));
+        }
+      }
     }
   }
 }
 
-// Shared -> global copy of a (rows, head_dim) tile, skipping rows at or past `max_rows`.
-template <typename TiledCopy, typename TensorS, typename TensorG, typename TensorC>
+// Shared -> global copy of a (rows, head_dim) tile, skipping rows at or past `max_rows` and the
+// columns not in `cols`.
+template <typename TiledCopy, typename TensorS, typename TensorG, typename TensorC, typename Cols = AllCols>
 __device__ __forceinline__ void store_rows(const TiledCopy& tiled_copy, const TensorS& src, TensorG& dst,
-                                           const TensorC& coords, int max_rows) {
+                                           const TensorC& coords, int max_rows, Cols cols = {}) {
   CUTE_UNROLL
   for (int m = 0; m < size<1>(src); ++m) {
-    if (get<0>(coords(0, m, 0)) < max_rows) copy(tiled_copy, src(_, m, _), dst(_, m, _));
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(src); ++k) {
+      if (get<0>(coords(0, m, k)) < max_rows && cols.has(get<1>(coords(0, m, k))))
+        copy(tiled_copy, src(_, m, k), dst(_, m, k));
+    }
   }
 }
 

@@ -275,7 +275,7 @@ struct BwdMainloop {
 
   // ALiBi's slope of a head where the step holds it (Traits::kHoldsFeatureValues), else unused.
   __device__ static float head_slope(const Score& score) {
-    return Traits::kHoldsFeatureValues && score.alibi_on() ? score.alibi.slope() : 0.f;
+    return Traits::kHoldsFeatureValues && score.alibi_on() ? score.alibi().slope() : 0.f;
   }
 
   // The first half of a consumer step, shared by every layout: S^T = K Q^T and dP^T = V dO^T
@@ -310,11 +310,11 @@ struct BwdMainloop {
         acc_s, tScS, m * kBlockM, n_block * kBlockN, score.mask.template block_needs_mask<kBlockM, kBlockN>(m, n_block),
         [&](Acc& s) {
           if constexpr (kHoldDtanh)
-            score.softcap.tanh_scores(s, dt);
+            score.softcap().tanh_scores(s, dt);
           else
-            score.softcap.tanh_scores(s);
+            score.softcap().tanh_scores(s);
         },
-        [&] { return Traits::kHoldsFeatureValues ? alibi_slope : score.alibi.slope(); });
+        [&] { return Traits::kHoldsFeatureValues ? alibi_slope : score.alibi().slope(); });
     Tensor s = query_key_view(acc_s);
     const auto lse = query_stats<kStatQueries>(shared.lse_log2.data() + st_q.index() * kBlockM + stats_offset, tScS);
     CUTE_UNROLL
