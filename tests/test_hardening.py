@@ -392,9 +392,8 @@ def test_row14_window_size_any_sequence_of_two_ints(device, window):
 @pytest.mark.parametrize("arch", [0, 80])
 @pytest.mark.parametrize("head_dim", [1, 3, 59, 80, 111, 200, 255])
 def test_row15_any_head_dim(device, head_dim, arch):
-    """Head dims between instantiated ones: the sm90 kernels read the tensors' own columns (no
-    copy, row 12), the sm80 ones take zero-padded copies; a head dim that is not a multiple of 8
-    is padded to one (a copy) first."""
+    """Head dims between instantiated ones: the kernels read the tensors' own columns (no copy,
+    row 12); a head dim that is not a multiple of 8 is padded to one (a copy) first."""
     if device == "cuda":
         skip_unless_auto_built(cutlass_flash.padded_head_dim(head_dim), "bf16")
     with cutlass_flash.force_arch(arch):
@@ -417,7 +416,7 @@ def _check_any_head_dim(device, head_dim):
     assert math.isclose(_validate.check_softmax_scale(None, head_dim), head_dim ** -0.5)
 
 
-# -- Row 12: the sm90 family reads a narrower head dim in place ----------------------------------
+# -- Row 12: both families read a narrower head dim in place ----------------------------------
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", [80, 90])
@@ -468,7 +467,7 @@ def test_row12_narrow_head_dim_reads_and_writes_its_own_columns(head_dim, packed
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("arch", [90])  # the sm80 family pads copies (csrc/generate.py says why)
+@pytest.mark.parametrize("arch", [80, 90])
 def test_row12_narrow_head_dim_memory(arch):
     """Forward + backward at head dim 80 (run on the d = 96 kernels without copies) takes at most
     1.1x the memory of head dim 96 above the inputs."""

@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# Issue 32 (the sm80 family back to FlashAttention-2's speed; one score policy for both families)
+# and issue 31's row 12 on the sm80 family, on a 4-GPU machine in two calls on one warm machine
+# (FlashAttention-3's build stays in /tmp/fa3 between them):
+#
+#   PHASE=tests OUT=$OUT bash benchmarks/device_ampere.sh
+#       FA3 built in the background; strict GPU tests in 4 shards, one per GPU: the default suite
+#       (sm90 family on this GPU), and the sm80 family forced on the accuracy grid, the features,
+#       the hardening rows and packed batches; memcheck of the sm80 narrow-head-dim kernels
+#   PHASE=bench OUT=$OUT BASE_TREE=.carry/prevtree [VAR_LIB=lib.so] bash benchmarks/device_ampere.sh
+#       GPU 0 / 1: the sm80 family against SDPA's FlashAttention-2, bf16 / fp16, forward, backward
+#       and both, d = 64 / 128 / 256, 1k-16k, causal and not (then the same with VAR_LIB); GPU 2: the sm80 A/B against
+#       BASE_TREE's library beside FA2, then ncu's warp stall reasons of the plain d = 64 forward
+#       with both libraries; GPU 3: the sm90 A/B against BASE_TREE beside FA3 and cuDNN
+#
+# The kernel library is built on a CPU machine (`python setup.py build_ext --inplace`) and
+# carried with .carry/fa3src.tar.gz (benchmarks/pack_fa3src.sh) and the base tree (a package of
+# the base commit with its library).
+set -u -o pipefail
+export PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+OUT=${OUT:-/tmp/cutlass_flash_out}
+LOGS=/tmp/ampere_logs
+mkdir -p "$OUT" "$LOGS"
+[ -d /tmp/fa3/hopper ] && FA3_PATH=/tmp/fa3/hopper
+python3 -c "import cutlass_flash._C" 2>/dev/null ||
+  CUTLASS_FLASH_BINDING_ONLY=1 python3 setup.py build_ext --inplace >"$LOGS/build.log" 2>&1 || tail -20 "$LOGS/build.log"
+
+shard() {  # shard GPU NAME ARCH TESTS...: the GPU tests of TESTS on one GPU, strict, family ARCH (0: auto)
+  local gpu=$1 name=$2 arch=$3 start=$(date +%s)
+  shift 3
+  CUDA_VISIBLE_DEVICES=$gpu CUTLASS_FLASH_FORCE_ARCH=$arch timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -rs \
+    --strict-gpu --maxfail=30 -m gpu "$@" -p no:cacheprovider >"$LOGS/tests-$name.log" 2>&1
+  echo "[$name] rc $?, $(( $(date +%s) - start )) s: $(tail -1 "$LOGS/tests-$name.log")"
+  grep -E "^(FAILED|ERROR)" "$LOGS/tests-$name.log" | head -20
+}
+
+case "${PHASE:-tests}" in
+  tests)
+    (OUT=$LOGS bash benchmarks/device_fa3.sh >"$LOGS/fa3.txt" 2>&1) &
+    {
+      nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv
+      python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version())"
+    } 2>&1 | tee "$OUT/env.txt"
+    shard 0 default 0 tests >"$LOGS/s0.txt" &
+    shard 1 sm80-accuracy 80 tests/test_gpu_accuracy.py >"$LOGS/s1.txt" &
+    shard 2 sm80-features 80 tests/test_gpu_misc.py tests/test_dropout.py tests/test_hardening.py tests/test_lowlevel.py \
+      tests/test_gpu_training.py tests/test_transformers.py >"$LOGS/s2.txt" &
+    {
+      shard 3 sm80-packed 80 tests/test_varlen.py tests/test_varlen_isolation.py tests/test_seqused.py
+      # memcheck: the sm80 kernels of narrow head dims (column-predicated loads and stores), dense,
+      # packed and deterministic, and the plain ones.
+      for args in "80 80,112,200" "80 80,200 varlen" "80 80,200 det" "80 64,128,256"; do
+        CUDA_VISIBLE_DEVICES=3 timeout 100 compute-sanitizer --tool memcheck python3 benchmarks/sanitize_small.py $args \
+          >"$LOGS/memcheck-${args// /-}.log" 2>&1
+        echo "memcheck $args: rc $?, $(grep 'ERROR SUMMARY' "$LOGS/memcheck-${args// /-}.log" | tail -1)"
+      done
+      CUDA_VISIBLE_DEVICES=3 timeout 100 python3 -m pytest -q -m gpu -k "row12 and memory" tests/test_hardening.py \
+        -p no:cacheprovider 2>&1 | tail -2
+    } >"$LOGS/s3.txt" &
+    wait
+    cat "$LOGS"/s[0-3].txt
+    tail -3 "$LOGS/fa3.txt"
+    ;;
+  bench)
+    if [ -n "${BASE_TREE:-}" ]; then
+      (cd "$BASE_TREE" && CUTLASS_FLASH_BINDING_ONLY=1 python3 setup.py build_ext --inplace >"$LOGS/build_base.log" 2>&1) ||
+        tail -20 "$LOGS/build_base.log"
+    fi
+    root=$PWD
+    # VAR_LIB: another kernel library of this tree (a tile variant), timed after this one on the
+    # same GPUs, from a copy of the package with that library.
+    if [ -n "${VAR_LIB:-}" ]; then
+      rm -rf /tmp/vartree && mkdir -p /tmp/vartree && cp -r cutlass_flash /tmp/vartree/ &&
+        cp "$VAR_LIB" /tmp/vartree/cutlass_flash/libcutlass_flash_kernels.so
+    fi
+    GRID80=${GRID80:---head-dims 64,128,256 --seqlens 1024,2048,4096,8192,16384 --rounds 3 --budget-ms 40}
+    for g in 0 1; do
+      dt=$([ $g = 0 ] && echo bf16 || echo fp16)
+      {
+        for tree in new ${VAR_LIB:+var}; do
+          dir=$root
+          [ "$tree" = var ] && dir=/tmp/vartree
+          (cd "$dir" && CUDA_VISIBLE_DEVICES=$g PYTHONPATH=$dir timeout "${SM80_TIMEOUT:-280}" python3 -m cutlass_flash.benchmark \
+            --arch 80 --impls ours,sdpa-flash --dtype $dt $GRID80 --no-plot --tag "sm80-$dt-$tree" --out "$OUT" \
+            >"$LOGS/sm80-$dt-$tree.log" 2>&1)
+          echo "sm80 $dt $tree: rc $?"
+        done
+      } >"$LOGS/b$g.txt" &
+    done
+    {
+      for round in new base; do
+        dir=$root
+        [ "$round" = base ] && dir=$root/$BASE_TREE
+        (cd "$dir" && CUDA_VISIBLE_DEVICES=2 PYTHONPATH=$dir timeout 200 python3 -m cutlass_flash.benchmark --arch 80 \
+          --impls ours,sdpa-flash --head-dims 64,128,256 --seqlens 2048,8192 --rounds 3 --no-plot \
+          --tag "sm80-ab-$round" --out "$OUT") >"$LOGS/sm80-ab-$round.log" 2>&1
+        echo "sm80 A/B $round: rc $?"
+      done
+      for round in new base; do
+        dir=$root
+        [ "$round" = base ] && dir=$root/$BASE_TREE
+        (cd "$dir" && CUDA_VISIBLE_DEVICES=2 PYTHONPATH=$dir CUTLASS_FLASH_FORCE_ARCH=80 timeout 120 \
+          ncu --kernel-name regex:fwd_kernel --launch-skip 1 --launch-count 1 --section SpeedOfLight \
+          --section WarpStateStats --section LaunchStats --section Occupancy \
+          python3 "$root/benchmarks/profile_attn.py" fwd 64 8192 0) >"$LOGS/ncu-sm80-fwd64-$round.txt" 2>&1
+        echo "ncu $round: rc $?"
+      done
+    } >"$LOGS/b2.txt" &
+    {
+      for round in new base; do
+        dir=$root
+        [ "$round" = base ] && dir=$root/$BASE_TREE
+        (cd "$dir" && CUDA_VISIBLE_DEVICES=3 PYTHONPATH=$dir${FA3_PATH:+:$FA3_PATH} timeout 220 python3 -m cutlass_flash.benchmark \
+          --arch 90 --impls ours,sdpa-cudnn,fa3 --head-dims 64,128,256 --seqlens 2048,8192 --rounds 3 --no-plot \
+          --tag "sm90-ab-$round" --out "$OUT") >"$LOGS/sm90-ab-$round.log" 2>&1
+        echo "sm90 A/B $round: rc $?"
+      done
+    } >"$LOGS/b3.txt" &
+    wait
+    cat "$LOGS"/b[0-3].txt
+    mkdir -p "$OUT/ncu" && cp "$LOGS"/ncu-*.txt "$OUT/ncu/" 2>/dev/null
+    ;;
+esac
+tar -C "$LOGS" -czf "$OUT/logs-ampere-${PHASE:-tests}.tar.gz" .
