@@ -26,8 +26,12 @@ mkdir -p "$OUT" "$LOGS"
 python3 -c "import cutlass_flash._C" 2>/dev/null ||
   CUTLASS_FLASH_BINDING_ONLY=1 python3 setup.py build_ext --inplace >"$LOGS/build.log" 2>&1 || tail -20 "$LOGS/build.log"
 
+# Fewer than 4 GPUs (a 2-GPU machine): GPU g's work goes to GPU g % NGPU, two processes per GPU.
+NGPU=$(nvidia-smi -L | wc -l)
+gpu() { echo $(( $1 % NGPU )); }
+
 shard() {  # shard GPU NAME ARCH TESTS...: the GPU tests of TESTS on one GPU, strict, family ARCH (0: auto)
-  local gpu=$1 name=$2 arch=$3 start=$(date +%s)
+  local gpu=$(gpu $1) name=$2 arch=$3 start=$(date +%s)
   shift 3
   CUDA_VISIBLE_DEVICES=$gpu CUTLASS_FLASH_FORCE_ARCH=$arch timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -rs \
     --strict-gpu --maxfail=30 -m gpu "$@" -p no:cacheprovider >"$LOGS/tests-$name.log" 2>&1
@@ -51,11 +55,11 @@ case "${PHASE:-tests}" in
       # memcheck: the sm80 kernels of narrow head dims (column-predicated loads and stores), dense,
       # packed and deterministic, and the plain ones.
       for args in "80 80,112,200" "80 80,200 varlen" "80 80,200 det" "80 64,128,256"; do
-        CUDA_VISIBLE_DEVICES=3 timeout 100 compute-sanitizer --tool memcheck python3 benchmarks/sanitize_small.py $args \
+        CUDA_VISIBLE_DEVICES=$(gpu 3) timeout 100 compute-sanitizer --tool memcheck python3 benchmarks/sanitize_small.py $args \
           >"$LOGS/memcheck-${args// /-}.log" 2>&1
         echo "memcheck $args: rc $?, $(grep 'ERROR SUMMARY' "$LOGS/memcheck-${args// /-}.log" | tail -1)"
       done
-      CUDA_VISIBLE_DEVICES=3 timeout 100 python3 -m pytest -q -m gpu -k "row12 and memory" tests/test_hardening.py \
+      CUDA_VISIBLE_DEVICES=$(gpu 3) timeout 100 python3 -m pytest -q -m gpu -k "row12 and memory" tests/test_hardening.py \
         -p no:cacheprovider 2>&1 | tail -2
     } >"$LOGS/s3.txt" &
     wait
@@ -81,7 +85,7 @@ case "${PHASE:-tests}" in
         for tree in new ${VAR_LIB:+var}; do
           dir=$root
           [ "$tree" = var ] && dir=/tmp/vartree
-          (cd "$dir" && CUDA_VISIBLE_DEVICES=$g PYTHONPATH=$dir timeout "${SM80_TIMEOUT:-280}" python3 -m cutlass_flash.benchmark \
+          (cd "$dir" && CUDA_VISIBLE_DEVICES=$(gpu $g) PYTHONPATH=$dir timeout "${SM80_TIMEOUT:-280}" python3 -m cutlass_flash.benchmark \
             --arch 80 --impls ours,sdpa-flash --dtype $dt $GRID80 --no-plot --tag "sm80-$dt-$tree" --out "$OUT" \
             >"$LOGS/sm80-$dt-$tree.log" 2>&1)
           echo "sm80 $dt $tree: rc $?"
@@ -92,7 +96,7 @@ case "${PHASE:-tests}" in
       for round in new base; do
         dir=$root
         [ "$round" = base ] && dir=$root/$BASE_TREE
-        (cd "$dir" && CUDA_VISIBLE_DEVICES=2 PYTHONPATH=$dir timeout 200 python3 -m cutlass_flash.benchmark --arch 80 \
+        (cd "$dir" && CUDA_VISIBLE_DEVICES=$(gpu 2) PYTHONPATH=$dir timeout 200 python3 -m cutlass_flash.benchmark --arch 80 \
           --impls ours,sdpa-flash --head-dims 64,128,256 --seqlens 2048,8192 --rounds 3 --no-plot \
           --tag "sm80-ab-$round" --out "$OUT") >"$LOGS/sm80-ab-$round.log" 2>&1
         echo "sm80 A/B $round: rc $?"
@@ -100,7 +104,7 @@ case "${PHASE:-tests}" in
       for round in new base; do
         dir=$root
         [ "$round" = base ] && dir=$root/$BASE_TREE
-        (cd "$dir" && CUDA_VISIBLE_DEVICES=2 PYTHONPATH=$dir CUTLASS_FLASH_FORCE_ARCH=80 timeout 120 \
+        (cd "$dir" && CUDA_VISIBLE_DEVICES=$(gpu 2) PYTHONPATH=$dir CUTLASS_FLASH_FORCE_ARCH=80 timeout 120 \
           ncu --kernel-name regex:fwd_kernel --launch-skip 1 --launch-count 1 --section SpeedOfLight \
           --section WarpStateStats --section LaunchStats --section Occupancy \
           python3 "$root/benchmarks/profile_attn.py" fwd 64 8192 0) >"$LOGS/ncu-sm80-fwd64-$round.txt" 2>&1
@@ -111,7 +115,7 @@ case "${PHASE:-tests}" in
       for round in new base; do
         dir=$root
         [ "$round" = base ] && dir=$root/$BASE_TREE
-        (cd "$dir" && CUDA_VISIBLE_DEVICES=3 PYTHONPATH=$dir${FA3_PATH:+:$FA3_PATH} timeout 220 python3 -m cutlass_flash.benchmark \
+        (cd "$dir" && CUDA_VISIBLE_DEVICES=$(gpu 3) PYTHONPATH=$dir${FA3_PATH:+:$FA3_PATH} timeout 220 python3 -m cutlass_flash.benchmark \
           --arch 90 --impls ours,sdpa-cudnn,fa3 --head-dims 64,128,256 --seqlens 2048,8192 --rounds 3 --no-plot \
           --tag "sm90-ab-$round" --out "$OUT") >"$LOGS/sm90-ab-$round.log" 2>&1
         echo "sm90 A/B $round: rc $?"
