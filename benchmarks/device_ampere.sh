@@ -46,7 +46,8 @@ case "${PHASE:-tests}" in
       nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv
       python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version())"
     } 2>&1 | tee "$OUT/env.txt"
-    shard 0 default 0 tests >"$LOGS/s0.txt" &
+    # DEFAULT_SUITE=0: the sm80 shards only (a change that touched no sm90 object)
+    [ "${DEFAULT_SUITE:-1}" = 1 ] && shard 0 default 0 tests >"$LOGS/s0.txt" &
     shard 1 sm80-accuracy 80 tests/test_gpu_accuracy.py >"$LOGS/s1.txt" &
     shard 2 sm80-features 80 tests/test_gpu_misc.py tests/test_dropout.py tests/test_hardening.py tests/test_lowlevel.py \
       tests/test_gpu_training.py tests/test_transformers.py >"$LOGS/s2.txt" &
@@ -61,6 +62,8 @@ case "${PHASE:-tests}" in
       done
       CUDA_VISIBLE_DEVICES=$(gpu 3) timeout 100 python3 -m pytest -q -m gpu -k "row12 and memory" tests/test_hardening.py \
         -p no:cacheprovider 2>&1 | tail -2
+      CUDA_VISIBLE_DEVICES=$(gpu 3) timeout 150 python3 benchmarks/hardening_memory.py --det-seqlen 32768 \
+        --out "$OUT" 2>&1 | tail -16
     } >"$LOGS/s3.txt" &
     wait
     cat "$LOGS"/s[0-3].txt
@@ -78,21 +81,26 @@ case "${PHASE:-tests}" in
       rm -rf /tmp/vartree && mkdir -p /tmp/vartree && cp -r cutlass_flash /tmp/vartree/ &&
         cp "$VAR_LIB" /tmp/vartree/cutlass_flash/libcutlass_flash_kernels.so
     fi
+    # FA3 for the sm90 A/B, built niced beside the sm80 runs where an earlier call left none.
+    fa3=""
+    if [ -z "${FA3_PATH:-}" ] && [ -f .carry/fa3src.tar.gz ]; then
+      (OUT=$LOGS nice -n 19 bash benchmarks/device_fa3.sh >"$LOGS/fa3.txt" 2>&1) &
+      fa3=$!
+    fi
     GRID80=${GRID80:---head-dims 64,128,256 --seqlens 1024,2048,4096,8192,16384 --rounds 3 --budget-ms 40}
-    for g in 0 1; do
-      dt=$([ $g = 0 ] && echo bf16 || echo fp16)
-      {
-        for tree in new ${VAR_LIB:+var}; do
-          dir=$root
-          [ "$tree" = var ] && dir=/tmp/vartree
-          (cd "$dir" && CUDA_VISIBLE_DEVICES=$(gpu $g) PYTHONPATH=$dir timeout "${SM80_TIMEOUT:-280}" python3 -m cutlass_flash.benchmark \
-            --arch 80 --impls ours,sdpa-flash --dtype $dt $GRID80 --no-plot --tag "sm80-$dt-$tree" --out "$OUT" \
-            >"$LOGS/sm80-$dt-$tree.log" 2>&1)
-          echo "sm80 $dt $tree: rc $?"
-        done
-      } >"$LOGS/b$g.txt" &
-    done
-    {
+    sm80_grid() {  # sm80_grid GPU DTYPE: the family against FA2 on the grid, then with VAR_LIB
+      local g=$1 dt=$2 tree dir
+      for tree in ${TREES:-new ${VAR_LIB:+var}}; do
+        dir=$root
+        [ "$tree" = var ] && dir=/tmp/vartree
+        (cd "$dir" && CUDA_VISIBLE_DEVICES=$(gpu $g) PYTHONPATH=$dir timeout "${SM80_TIMEOUT:-280}" python3 -m cutlass_flash.benchmark \
+          --arch 80 --impls ours,sdpa-flash --dtype $dt $GRID80 --no-plot --tag "sm80-$dt-$tree" --out "$OUT" \
+          >"$LOGS/sm80-$dt-$tree.log" 2>&1)
+        echo "sm80 $dt $tree: rc $?"
+      done
+    }
+    sm80_ab() {  # this library against BASE_TREE's beside FA2, then ncu of the plain d = 64 forward
+      local round dir
       for round in new base; do
         dir=$root
         [ "$round" = base ] && dir=$root/$BASE_TREE
@@ -100,6 +108,16 @@ case "${PHASE:-tests}" in
           --impls ours,sdpa-flash --head-dims 64,128,256 --seqlens 2048,8192 --rounds 3 --no-plot \
           --tag "sm80-ab-$round" --out "$OUT") >"$LOGS/sm80-ab-$round.log" 2>&1
         echo "sm80 A/B $round: rc $?"
+      done
+      # The calls with a feature (the all-features kernels, the policy's switches), forced sm80.
+      for round in ${FEATURES_AB:+new base}; do
+        dir=$root
+        [ "$round" = base ] && dir=$root/$BASE_TREE
+        (cd "$dir" && CUDA_VISIBLE_DEVICES=$(gpu 2) PYTHONPATH=$dir CUTLASS_FLASH_FORCE_ARCH=80 timeout 200 \
+          python3 -m cutlass_flash.benchmark --impls ours-softcap,ours-alibi,ours-dropout,sdpa-flash --modes fwd,bwd \
+          --head-dims 64,128,256 --seqlens 2048,8192 --rounds 3 --no-plot --tag "sm80-features-$round" --out "$OUT") \
+          >"$LOGS/sm80-features-$round.log" 2>&1
+        echo "sm80 features A/B $round: rc $?"
       done
       for round in new base; do
         dir=$root
@@ -110,8 +128,12 @@ case "${PHASE:-tests}" in
           python3 "$root/benchmarks/profile_attn.py" fwd 64 8192 0) >"$LOGS/ncu-sm80-fwd64-$round.txt" 2>&1
         echo "ncu $round: rc $?"
       done
-    } >"$LOGS/b2.txt" &
-    {
+    }
+    sm90_ab() {  # the sm90 family against BASE_TREE's beside FA3 and cuDNN
+      local round dir
+      # (a subshell: the build is not its child to wait for; it writes fa3_build.done when done)
+      while [ -n "$fa3" ] && [ ! -f "$LOGS/fa3_build.done" ]; do sleep 5; done
+      [ -d /tmp/fa3/hopper ] && FA3_PATH=/tmp/fa3/hopper
       for round in new base; do
         dir=$root
         [ "$round" = base ] && dir=$root/$BASE_TREE
@@ -120,10 +142,28 @@ case "${PHASE:-tests}" in
           --tag "sm90-ab-$round" --out "$OUT") >"$LOGS/sm90-ab-$round.log" 2>&1
         echo "sm90 A/B $round: rc $?"
       done
-    } >"$LOGS/b3.txt" &
+    }
+    # PARTS: which of them (default all); on fewer than 4 GPUs those of GPU g and g + 2 in turn.
+    part() {
+      case $1 in
+        0) sm80_grid 0 bf16 ;;
+        1) sm80_grid 1 fp16 ;;
+        2) sm80_ab ;;
+        3) sm90_ab ;;
+      esac >"$LOGS/b$1.txt" 2>&1
+    }
+    PARTS=${PARTS:-0 1 2 3}
+    if [ "$NGPU" -ge 4 ]; then
+      for i in $PARTS; do part $i & done
+    else
+      for g in 0 1; do
+        (for i in $PARTS; do [ $(( i % 2 )) = $g ] && part $i; done) &
+      done
+    fi
     wait
-    cat "$LOGS"/b[0-3].txt
-    mkdir -p "$OUT/ncu" && cp "$LOGS"/ncu-*.txt "$OUT/ncu/" 2>/dev/null
+    cat "$LOGS"/b[0-3].txt 2>/dev/null
     ;;
 esac
-tar -C "$LOGS" -czf "$OUT/logs-ampere-${PHASE:-tests}.tar.gz" .
+# Everything in one tarball (the device tool returns 8 files): tables and logs.
+mkdir -p "$LOGS/out" && find "$OUT" -maxdepth 2 -type f ! -name env.txt -exec mv {} "$LOGS/out/" \;
+tar -C "$LOGS" -czf "$OUT/ampere-${PHASE:-tests}.tar.gz" .

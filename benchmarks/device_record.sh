@@ -17,8 +17,10 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/cutlass_flash_out}
 LOGS=/tmp/record_logs
 mkdir -p "$OUT" "$LOGS"
-# The record grid (RECORD: benchmark arguments but the dtype), timed for bf16 and fp16.
-RECORD=${RECORD:---head-dims 64,128,256 --seqlens 1024,2048,8192 --rounds 3 --budget-ms 45}
+# The record grid (RECORD: benchmark arguments but the dtype), timed for bf16 and fp16: both
+# kernel families as columns (sm90 against FA3 / cuDNN, sm80 against FA2), every head dim, so that
+# a regression of either family against its anchor shows in the run a change is measured with.
+RECORD=${RECORD:---arch 90,80 --head-dims 64,96,128,192,256 --seqlens 1024,2048,8192 --rounds 3 --budget-ms 45}
 
 case "${PHASE:-tests}" in
   tests)
@@ -43,7 +45,7 @@ case "${PHASE:-tests}" in
     bench() {  # bench NAME OUT_DIR ARGS...: one benchmark process, its log in the tarball
       local name=$1 dir=$2
       shift 2
-      timeout "${BENCH_TIMEOUT:-240}" python3 -m cutlass_flash.benchmark "$@" --out "$dir" --tag "$name" \
+      timeout "${BENCH_TIMEOUT:-480}" python3 -m cutlass_flash.benchmark "$@" --out "$dir" --tag "$name" \
         >"$LOGS/bench-$name.log" 2>&1
       echo "bench $name: rc $?"
       grep -A4 "^## " "$dir"/bench-*"$name".md | head -40

@@ -3,8 +3,8 @@ time of the padded head dims against the next instantiated one.
 
     python benchmarks/hardening_memory.py --out $OUT
 
-Rows: head dims 40 / 80 / 112 / 200 against 64 / 96 / 128 / 256 per kernel family (the sm90 family
-reads the narrower tensors in place, the sm80 family pads copies), and deterministic against the
+Rows: head dims 40 / 80 / 112 / 200 against 64 / 96 / 128 / 256 per kernel family (both read the
+narrower tensors in place), and deterministic against the
 default mode at 128k tokens, causal, 32 heads, head dim 128. Memory: torch.cuda.max_memory_allocated
 during the call minus what was allocated before it (q, k, v, dout).
 """

@@ -34,8 +34,12 @@ Status run_fwd(const FwdParams& params, cudaStream_t stream) {
   if (Status s = check_smem_fits(Traits::kSmemBytes, "sm80 forward"); !s.ok()) return s;
   const AttnProblem& p = params.problem;
   const bool narrow = p.cols() != kHeadDim;
-  if (!narrow && !p.is_varlen() && PlainScores::covers(p))
-    return launch_fwd<Traits, PlainScores, DenseGridTileScheduler>(params, {}, stream);
+  if (!narrow && !p.is_varlen() && PlainScores::covers(p)) {
+    constexpr FwdTile kPlain = fwd_plain_tile(kHeadDim);
+    using PlainTraits = FwdTraits<kHeadDim, kPlain.block_m, kPlain.block_n, kPlain.warps, Element>;
+    if (Status s = check_smem_fits(PlainTraits::kSmemBytes, "sm80 forward"); !s.ok()) return s;
+    return launch_fwd<PlainTraits, PlainScores, DenseGridTileScheduler>(params, {}, stream);
+  }
   // A packed batch: its query blocks are listed first (common/varlen_tiles.h), one block each.
   GridTileScheduler::Params sched;
   if (p.is_varlen()) {
