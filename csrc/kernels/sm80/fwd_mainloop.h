@@ -91,7 +91,7 @@ struct FwdMainloop {
 
       gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, copy_q, copy_k, thr_copy_q, thr_copy_k);
       score.before_softmax(acc_s, tScS, m_block * kBlockM, n * kBlockN,
-                           mask.block_needs_mask<kBlockM, kBlockN>(m_block, n));
+                           [&] { return mask.block_needs_mask<kBlockM, kBlockN>(m_block, n); });
 
       cp_async_wait<0>();
       __syncthreads();  // V(n) visible to all; every warp finished reading K(n)
