@@ -78,7 +78,8 @@ struct ScorePolicy {
   // in the tile (WindowMask::apply's convention, kTransposed for (key, query) tiles), row0 / col0
   // the tile's offsets in the sequence; masked: whether the tile crosses the mask
   // (WindowMask::block_needs_mask; a bool or a callable, is_masked). tanh(x) and slope() let a
-  // mainloop with registers to spare use values it holds (Softcap::tanh_scores with the derivative, a slope read once per head).
+  // mainloop with registers to spare use values it holds (Softcap::tanh_scores with the
+  // derivative, a slope read once per head).
   template <bool kTransposed = false, typename TensorS, typename TensorC, typename Masked, typename Tanh,
             typename Slope>
   __device__ void before_softmax(TensorS& s, const TensorC& coords, int row0, int col0, Masked&& masked, Tanh&& tanh,
