@@ -28,21 +28,14 @@ struct Alibi {
   // The tile's slope, divided by the scale the softmax applies after the bias: the kernels
   // multiply their scores (scale * q.k, or tanh(.) under softcap) by Softcap::softmax_scale inside
   // the softmax, and the bias is added before that (FlashAttention-2 divides its slope by
-  // scale_softmax the same way). A global load and a reciprocal; apply() reads it where it is
-  // used, a mainloop with registers to spare once per head (apply_slope).
+  // scale_softmax the same way). A global load and a reciprocal, read where it is used (once per
+  // key block), or once per head by a mainloop with registers to spare.
   __device__ float slope() const {
     return p->alibi_slopes[batch * p->alibi_batch_stride + head] / Softcap::softmax_scale(*p);
   }
 
-  // Adds the bias to a tile of scores; coords, offsets and kTransposed as WindowMask::apply (whose
-  // diagonal the distance is measured from).
-  template <bool kTransposed = false, typename TensorS, typename TensorC>
-  __device__ void apply(TensorS& scores, const TensorC& coords, const WindowMask& mask, int row_offset,
-                        int col_offset) const {
-    apply_slope<kTransposed>(slope(), scores, coords, mask, row_offset, col_offset);
-  }
-
-  // apply() with the slope read ahead (slope()).
+  // Adds the bias of `slope` (slope()) to a tile of scores; coords, offsets and kTransposed as
+  // WindowMask::apply (whose diagonal the distance is measured from).
   template <bool kTransposed = false, typename TensorS, typename TensorC>
   __device__ static void apply_slope(float slope, TensorS& scores, const TensorC& coords, const WindowMask& mask,
                                      int row_offset, int col_offset) {

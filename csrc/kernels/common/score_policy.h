@@ -59,9 +59,9 @@ struct ScorePolicy {
   __device__ Softcap softcap() const { return Softcap(*p); }
   __device__ Alibi alibi() const { return Alibi(*p, batch, head); }
   __device__ Dropout dropout() const { return Dropout(*p, batch, head); }
-  __device__ bool softcap_on() const { return Features::kSoftcap && p->softcap > 0.f; }
-  __device__ bool alibi_on() const { return Features::kAlibi && p->alibi_slopes != nullptr; }
-  __device__ bool dropout_on() const { return Features::kDropout && p->dropout_p > 0.f; }
+  __device__ bool softcap_on() const { return Features::kSoftcap && softcap().on(); }
+  __device__ bool alibi_on() const { return Features::kAlibi && alibi().on(); }
+  __device__ bool dropout_on() const { return Features::kDropout && dropout().on(); }
 
   // What the softmax multiplies the scores by after before_softmax: cap under softcap, else the
   // softmax scale; scale_log2, times log2(e) for exp2.
@@ -120,8 +120,8 @@ struct ScorePolicy {
     return dropout_on() ? dropout().template keep_bits<kTransposed, kPairStep, kAlign>(c, row0, col0) : 0;
   }
   template <typename TensorP, typename Op>
-  __device__ void drop_bits(TensorP&& p, uint64_t bits, Op op) const {
-    if (dropout_on()) Dropout::apply_bits(p, bits, op);
+  __device__ void drop_bits(TensorP&& probs, uint64_t bits, Op op) const {
+    if (dropout_on()) Dropout::apply_bits(probs, bits, op);
   }
   // drop(..., Zero) on the 16-bit P (the sm90 forward's, Dropout::zero_dropped_p16).
   template <int kAlign, typename TensorP, typename TensorC>
