@@ -11,7 +11,8 @@
 #       GPU 0 / 1: the sm80 family against SDPA's FlashAttention-2, bf16 / fp16, forward, backward
 #       and both, d = 64 / 128 / 256, 1k-16k, causal and not (then the same with VAR_LIB); GPU 2: the sm80 A/B against
 #       BASE_TREE's library beside FA2, then ncu's warp stall reasons of the plain d = 64 forward
-#       with both libraries; GPU 3: the sm90 A/B against BASE_TREE beside FA3 and cuDNN
+#       with both libraries (NCU=1); GPU 3: the sm90 A/B against BASE_TREE beside FA3 and
+#       cuDNN. VAR_GRID80 / VAR_DTYPES: the VAR_LIB grid's arguments and dtypes where they differ.
 #
 # The kernel library is built on a CPU machine (`python setup.py build_ext --inplace`) and
 # carried with .carry/fa3src.tar.gz (benchmarks/pack_fa3src.sh) and the base tree (a package of
@@ -47,11 +48,13 @@ case "${PHASE:-tests}" in
       python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version())"
     } 2>&1 | tee "$OUT/env.txt"
     # DEFAULT_SUITE=0: the sm80 shards only (a change that touched no sm90 object)
-    [ "${DEFAULT_SUITE:-1}" = 1 ] && shard 0 default 0 tests >"$LOGS/s0.txt" &
-    shard 1 sm80-accuracy 80 tests/test_gpu_accuracy.py >"$LOGS/s1.txt" &
-    shard 2 sm80-features 80 tests/test_gpu_misc.py tests/test_dropout.py tests/test_hardening.py tests/test_lowlevel.py \
-      tests/test_gpu_training.py tests/test_transformers.py >"$LOGS/s2.txt" &
-    {
+    s0() { [ "${DEFAULT_SUITE:-1}" = 1 ] && shard 0 default 0 tests; }
+    s1() { shard 1 sm80-accuracy 80 tests/test_gpu_accuracy.py; }
+    s2() {
+      shard 2 sm80-features 80 tests/test_gpu_misc.py tests/test_dropout.py tests/test_hardening.py tests/test_lowlevel.py \
+        tests/test_gpu_training.py tests/test_transformers.py
+    }
+    s3() {
       shard 3 sm80-packed 80 tests/test_varlen.py tests/test_varlen_isolation.py tests/test_seqused.py
       # memcheck: the sm80 kernels of narrow head dims (column-predicated loads and stores), dense,
       # packed and deterministic, and the plain ones.
@@ -64,7 +67,12 @@ case "${PHASE:-tests}" in
         -p no:cacheprovider 2>&1 | tail -2
       CUDA_VISIBLE_DEVICES=$(gpu 3) timeout 150 python3 benchmarks/hardening_memory.py --det-seqlen 32768 \
         --out "$OUT" 2>&1 | tail -16
-    } >"$LOGS/s3.txt" &
+    }
+    # One GPU: the shards one after the other (side by side, two subprocess tests ran out of memory
+    # on an 80 GB H100).
+    for i in 0 1 2 3; do
+      if [ "$NGPU" = 1 ]; then "s$i" >"$LOGS/s$i.txt"; else "s$i" >"$LOGS/s$i.txt" & fi
+    done
     wait
     cat "$LOGS"/s[0-3].txt
     tail -3 "$LOGS/fa3.txt"
@@ -91,10 +99,11 @@ case "${PHASE:-tests}" in
     sm80_grid() {  # sm80_grid GPU DTYPE: the family against FA2 on the grid, then with VAR_LIB
       local g=$1 dt=$2 tree dir
       for tree in ${TREES:-new ${VAR_LIB:+var}}; do
-        dir=$root
-        [ "$tree" = var ] && dir=/tmp/vartree
+        dir=$root grid=$GRID80
+        [ "$tree" = var ] && dir=/tmp/vartree grid=${VAR_GRID80:-$GRID80}
+        [ "$tree" = var ] && [[ " ${VAR_DTYPES:-bf16 fp16} " != *" $dt "* ]] && continue
         (cd "$dir" && CUDA_VISIBLE_DEVICES=$(gpu $g) PYTHONPATH=$dir timeout "${SM80_TIMEOUT:-280}" python3 -m cutlass_flash.benchmark \
-          --arch 80 --impls ours,sdpa-flash --dtype $dt $GRID80 --no-plot --tag "sm80-$dt-$tree" --out "$OUT" \
+          --arch 80 --impls ours,sdpa-flash --dtype $dt $grid --no-plot --tag "sm80-$dt-$tree" --out "$OUT" \
           >"$LOGS/sm80-$dt-$tree.log" 2>&1)
         echo "sm80 $dt $tree: rc $?"
       done
@@ -119,7 +128,7 @@ case "${PHASE:-tests}" in
           >"$LOGS/sm80-features-$round.log" 2>&1
         echo "sm80 features A/B $round: rc $?"
       done
-      for round in new base; do
+      for round in ${NCU:+new base}; do
         dir=$root
         [ "$round" = base ] && dir=$root/$BASE_TREE
         (cd "$dir" && CUDA_VISIBLE_DEVICES=$(gpu 2) PYTHONPATH=$dir CUTLASS_FLASH_FORCE_ARCH=80 timeout 120 \
@@ -143,7 +152,8 @@ case "${PHASE:-tests}" in
         echo "sm90 A/B $round: rc $?"
       done
     }
-    # PARTS: which of them (default all); on fewer than 4 GPUs those of GPU g and g + 2 in turn.
+    # PARTS: which of them (default all); on 2 GPUs those of GPU g and g + 2 in turn, on one GPU
+    # all of them in turn.
     part() {
       case $1 in
         0) sm80_grid 0 bf16 ;;
@@ -155,6 +165,8 @@ case "${PHASE:-tests}" in
     PARTS=${PARTS:-0 1 2 3}
     if [ "$NGPU" -ge 4 ]; then
       for i in $PARTS; do part $i & done
+    elif [ "$NGPU" = 1 ]; then  # one after the other: timings never share the GPU
+      for i in $PARTS; do part $i; done
     else
       for g in 0 1; do
         (for i in $PARTS; do [ $(( i % 2 )) = $g ] && part $i; done) &

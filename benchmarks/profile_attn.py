@@ -1,5 +1,6 @@
-"""Forward or backward calls of ours (and of FlashAttention-3 where `flash_attn_interface` imports)
-on the benchmark grid's shape, for Nsight Compute:
+"""Forward or backward calls of ours (and of FlashAttention-3 where `flash_attn_interface` imports,
+or with a fifth argument `fa2`, of SDPA's FlashAttention-2 instead) on the benchmark grid's shape,
+for Nsight Compute:
 
     ncu --kernel-name regex:"bwd_kernel|flash_bwd|FlashAttnBwd" --launch-skip 1 --launch-count 2 \\
         --section SpeedOfLight --section WarpStateStats python benchmarks/profile_attn.py bwd 256 8192 0
@@ -29,12 +30,22 @@ def main():
                            requires_grad=mode == "bwd") for _ in range(3))
     dout = torch.randn(batch, seqlen, nheads, head_dim, device="cuda", dtype=torch.bfloat16)
     impls = [("ours", lambda: cutlass_flash.flash_attn_func(q, k, v, causal=causal))]
-    try:
-        import flash_attn_interface
+    if sys.argv[5:] == ["fa2"]:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        impls.append(("fa3", lambda: flash_attn_interface.flash_attn_func(q, k, v, causal=causal)))
-    except ImportError as e:
-        print(f"no FA3: {e}")
+        def fa2():
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+                return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).transpose(1, 2)
+
+        impls.append(("fa2", fa2))
+    else:
+        try:
+            import flash_attn_interface
+
+            impls.append(("fa3", lambda: flash_attn_interface.flash_attn_func(q, k, v, causal=causal)))
+        except ImportError as e:
+            print(f"no FA3: {e}")
     for name, fn in impls:
         if mode == "fwd":
             for _ in range(2):
@@ -43,7 +54,8 @@ def main():
             out = fn()
             out = out[0] if isinstance(out, tuple) else out
             for _ in range(2):
-                torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+                torch.autograd.grad(out, (q, k, v), dout if out.shape == dout.shape else dout.transpose(1, 2),
+                                    retain_graph=True)
         torch.cuda.synchronize()
         print(f"{name}: done", flush=True)
 

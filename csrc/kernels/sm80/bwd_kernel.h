@@ -124,7 +124,7 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
     // wait for blocks that never run (VarlenTiles::truncated).
     const bool ordered = params.deterministic && !(Scheduler::kPackable && sched.tiles.count != nullptr &&
                                                    sched.tiles.truncated());
-    const BwdDqOrder dq_order{ordered ? reinterpret_cast<int*>(workspace + ws.dq_semaphore_offset) : nullptr,
+    const typename Mainloop::DqOrder dq_order{ordered ? reinterpret_cast<int*>(workspace + ws.dq_semaphore_offset) : nullptr,
                               dq_row, n_block, ws.dq_groups};
     // K and V (loaded again for each query head) from the tile read here: built before the loop,
     // their addresses were held across it and spilled (48 B at d = 64, 92 B at d = 256, sm_80).

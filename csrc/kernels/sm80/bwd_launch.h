@@ -15,9 +15,9 @@ namespace cutlass_flash::sm80 {
 
 // The main kernel over n_blocks key blocks of each (head, batch), or over a packed batch's list
 // (sched.tiles).
-template <typename Traits, typename Features, typename Scheduler>
+template <typename Traits, typename Features, typename Scheduler, bool kOrderedDq = true>
 Status launch_bwd_main(const BwdParams& params, const GridTileParams& sched, int n_blocks, cudaStream_t stream) {
-  constexpr auto kernel = bwd_kernel<BwdMainloop<Traits, Features>, BwdEpilogue<Traits>, Scheduler>;
+  constexpr auto kernel = bwd_kernel<BwdMainloop<Traits, Features, kOrderedDq>, BwdEpilogue<Traits>, Scheduler>;
   if (Status s = ensure_smem_limit<kernel>(Traits::kSmemBytes); !s.ok()) return s;
   const AttnProblem& p = params.problem;
   const dim3 grid = Scheduler::grid(sched, n_blocks, p.nheads_kv, p.batch);
@@ -52,17 +52,18 @@ Status run_bwd(const BwdParams& params, cudaStream_t stream) {
   if (Status s = cuda_status(cudaGetLastError(), "sm80 backward preprocess launch"); !s.ok()) return s;
 
   // Four instantiations: dense calls run kernels without the packed path (DenseGridTileScheduler:
-  // register spills), and those without softcap, ALiBi or dropout one with them compiled out too
-  // (PlainScores: the switches cost those calls up to a tenth, PERFLOG.md entry 93); tensors
-  // narrower than the tile (head_dim_real), dense or packed, one that predicates by column
-  // (BwdTraits::kNarrow).
+  // register spills), and those without softcap, ALiBi, dropout or deterministic mode one with
+  // them compiled out too (PlainScores: the switches cost those calls up to a tenth, PERFLOG.md
+  // entry 93; BwdDqOrder<false>); tensors narrower than the tile (head_dim_real), dense or packed,
+  // one that predicates by column (BwdTraits::kNarrow).
   const int n_blocks = ceil_div(p.seqlen_k, kTile.block_n);
   const Status s = p.cols() != kHeadDim
                        ? launch_bwd_main<NarrowTraits, AllScoreFeatures, GridTileScheduler>(params, sched, n_blocks, stream)
                    : p.is_varlen()
                        ? launch_bwd_main<Traits, AllScoreFeatures, GridTileScheduler>(params, sched, n_blocks, stream)
-                   : PlainScores::covers(p)
-                       ? launch_bwd_main<Traits, PlainScores, DenseGridTileScheduler>(params, {}, n_blocks, stream)
+                   : PlainScores::covers(p) && !params.deterministic
+                       ? launch_bwd_main<Traits, PlainScores, DenseGridTileScheduler, /*kOrderedDq=*/false>(
+                             params, {}, n_blocks, stream)
                        : launch_bwd_main<Traits, AllScoreFeatures, DenseGridTileScheduler>(params, {}, n_blocks, stream);
   if (!s.ok()) return s;
 

@@ -29,7 +29,11 @@ __device__ __forceinline__ int dq_accum_index(int i, int tid) {
 
 // Deterministic mode's order of the dQ additions of one (batch, head): before adding query tile
 // m, the block waits for the lower key blocks that see it; after, it signals the next.
-// semaphores == nullptr: no order (atomics as they come).
+// semaphores == nullptr: no order (atomics as they come). kOrdered = false compiles the order
+// out: its fence made ptxas emit the dQ additions as ATOMG (an atomic whose completion the fence
+// can wait for) instead of REDG in the whole kernel, and 15% of the d = 256 backward's warp cycles
+// stalled on the full load/store queue (LG throttle) against FlashAttention-2's 0.04% (ncu, H200).
+template <bool kOrdered>
 struct BwdDqOrder {
   int* semaphores;
   int64_t bh_row;  // the row of the block's dQ group (BwdWorkspace::dq_group_row included)
@@ -38,7 +42,7 @@ struct BwdDqOrder {
 
   template <int kBlockM, int kBlockN>
   __device__ void before(const WindowMask& mask, int m_block) const {
-    if (semaphores == nullptr) return;
+    if (!kOrdered || semaphores == nullptr) return;
     if (threadIdx.x == 0)
       DqSemaphore::wait(DqSemaphore{semaphores}.at<kBlockM>(bh_row, m_block),
                         DqSemaphore::turn<kBlockM, kBlockN>(mask, m_block, n_block, groups));
@@ -46,7 +50,7 @@ struct BwdDqOrder {
   }
   template <int kBlockM>
   __device__ void after(int m_block) const {
-    if (semaphores == nullptr) return;
+    if (!kOrdered || semaphores == nullptr) return;
     __threadfence();  // this thread's atomics are performed before the signal
     __syncthreads();
     if (threadIdx.x == 0) DqSemaphore::signal(DqSemaphore{semaphores}.at<kBlockM>(bh_row, m_block));
@@ -66,11 +70,13 @@ __device__ __forceinline__ int tid_here() {
   return t;
 }
 
-// Features: the score modifiers compiled in (common/score_policy.h).
-template <typename Traits_, typename Features_ = AllScoreFeatures>
+// Features: the score modifiers compiled in (common/score_policy.h); kOrderedDq: whether
+// deterministic mode's dQ order is (BwdDqOrder).
+template <typename Traits_, typename Features_ = AllScoreFeatures, bool kOrderedDq = true>
 struct BwdMainloop {
   using Traits = Traits_;
   using Features = Features_;
+  using DqOrder = BwdDqOrder<kOrderedDq>;
   using Score = ScorePolicy<Features>;
   using Element = typename Traits::Element;
   static constexpr int kBlockM = Traits::kBlockM;
@@ -99,7 +105,7 @@ struct BwdMainloop {
   __device__ static void run(const TensorQ& gQ, const TensorQ& gdO, const TensorK& gK, const TensorK& gV,
                              float* dq_accum, const float* lse, const float* dpsum, char* smem,
                              const AttnProblem& p, const Score& score, int n_block, int m_min, int m_max, float scale_log2,
-                             TensorAcc& acc_dk, TensorAcc& acc_dv, const BwdDqOrder& dq_order) {
+                             TensorAcc& acc_dk, TensorAcc& acc_dv, const DqOrder& dq_order) {
     const WindowMask& mask = score.mask;
     const int tid = threadIdx.x;
     constexpr int kQTile = Traits::kQTile, kKVTile = Traits::kKVTile, kPTile = Traits::kPTile;
@@ -133,6 +139,13 @@ struct BwdMainloop {
       Tensor tcoord = thr.partition_S(make_identity_tensor(shape(g_tile)));
       Tensor dst = thr.partition_D(s_tile);
       copy_rows(gmem_copy, thr.partition_S(g_tile), dst, tcoord, rows, tile_cols<Traits::kNarrow>(p));  // p: constant memory
+    };
+    // A query block below the last one: every row exists (copy_full_rows).
+    auto load_full_tile = [&](const auto& g_tile, auto& s_tile, int t) {
+      auto thr = gmem_copy.get_thread_slice(t);
+      Tensor tcoord = thr.partition_S(make_identity_tensor(shape(g_tile)));
+      Tensor dst = thr.partition_D(s_tile);
+      copy_full_rows(gmem_copy, thr.partition_S(g_tile), dst, tcoord, tile_cols<Traits::kNarrow>(p));
     };
 
     // S = Q K^T and dP = dO V^T.
@@ -198,7 +211,7 @@ struct BwdMainloop {
       __syncthreads();  // Q(m), dO(m) visible; every warp finished iteration m+1's reads
       if (kQStages == 2 && m > m_min) {
         Tensor sQ_next = q_stage(stage ^ 1);
-        load_tile(gQ(_, _, m - 1), sQ_next, seqlen_q - (m - 1) * kBlockM, loop_tid());
+        load_full_tile(gQ(_, _, m - 1), sQ_next, loop_tid());
         cp_async_fence();
       }
       Tensor tSsQ_m = make_tensor(tSsQ.data() + stage * kQTile, tSsQ.layout());
@@ -252,7 +265,7 @@ struct BwdMainloop {
       }
       __syncthreads();  // every warp finished reading dO(m)
       if (m > m_min) {
-        load_tile(gdO(_, _, m - 1), sdO, seqlen_q - (m - 1) * kBlockM, t);
+        load_full_tile(gdO(_, _, m - 1), sdO, t);
         cp_async_fence();
       }
 
@@ -267,7 +280,7 @@ struct BwdMainloop {
       if (kQStages == 1 && m > m_min) {
         __syncthreads();  // every warp finished reading Q(m)
         Tensor sQ0 = q_stage(0);
-        load_tile(gQ(_, _, m - 1), sQ0, seqlen_q - (m - 1) * kBlockM, t);
+        load_full_tile(gQ(_, _, m - 1), sQ0, t);
         cp_async_fence();
       }
 
@@ -286,10 +299,10 @@ struct BwdMainloop {
       // (dq_accum_index), so every atomic addresses it with an immediate offset instead of a 64-bit
       // address computation of its own.
       float* dq_thr = dq_accum + m * (kBlockM * kHeadDim) + dq_accum_index<Traits>(0, t);
-      dq_order.before<kBlockM, kBlockN>(mask, m);
+      dq_order.template before<kBlockM, kBlockN>(mask, m);
       CUTE_UNROLL
       for (int i = 0; i < size(acc_dq); ++i) atomicAdd(dq_thr + i * kNThreads, acc_dq(i));
-      dq_order.after<kBlockM>(m);
+      dq_order.template after<kBlockM>(m);
       if (kQStages == 2) stage ^= 1;
     }
   }

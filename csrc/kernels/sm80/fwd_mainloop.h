@@ -86,7 +86,10 @@ struct FwdMainloop {
       clear(acc_s);
       cp_async_wait<0>();
       __syncthreads();  // K(n) visible to all; every warp finished reading V(n+1)
-      copy_rows(gmem_copy, tVgV(_, _, _, n), tVsV, tKVcKV, seqlen_k - n * kBlockN, cols);
+      if (first)  // the last key block, which may end past the keys
+        copy_rows(gmem_copy, tVgV(_, _, _, n), tVsV, tKVcKV, seqlen_k - n * kBlockN, cols);
+      else
+        copy_full_rows(gmem_copy, tVgV(_, _, _, n), tVsV, tKVcKV, cols);
       cp_async_fence();
 
       gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, copy_q, copy_k, thr_copy_q, thr_copy_k);
@@ -96,7 +99,7 @@ struct FwdMainloop {
       cp_async_wait<0>();
       __syncthreads();  // V(n) visible to all; every warp finished reading K(n)
       if (n > n_min) {
-        copy_rows(gmem_copy, tKgK(_, _, _, n - 1), tKsK, tKVcKV, seqlen_k - (n - 1) * kBlockN, cols);
+        copy_full_rows(gmem_copy, tKgK(_, _, _, n - 1), tKsK, tKVcKV, cols);
         cp_async_fence();
       }
 

@@ -30,9 +30,15 @@ constexpr FwdTile fwd_tile(int head_dim) {
 // has the registers the features took: at d = 96 / 128 it runs FlashAttention-2's 128 x 64 tile
 // (sm_90 SASS 0 B / 196 B of spills: 0.88-0.92x FA2 against 0.72-0.86x at 128 x 32, H200, bf16 and
 // fp16, 1k-8k, PERFLOG.md entry 93). At d = 64 FA2's 128 x 128 spilled 52 B and measured 1-3%
-// slower than 128 x 64.
+// slower than 128 x 64. At d = 256, FA2's choice on GPUs with 228 KB of shared memory per SM
+// (H100): 64 x 64 with 4 warps, two blocks per SM (2 x 96 KB), so that one block's softmax runs
+// under the other's GEMMs; at 128 x 64 with 8 warps, 17% of warp cycles stalled on the shared-memory
+// queue (MIO throttle) against FA2's 7% (ncu, H200).
 constexpr FwdTile fwd_plain_tile(int head_dim) {
-  return head_dim <= 64 ? fwd_tile(head_dim) : head_dim <= 128 ? FwdTile{128, 64, 4} : fwd_tile(head_dim);
+  return head_dim <= 64    ? fwd_tile(head_dim)
+         : head_dim <= 128 ? FwdTile{128, 64, 4}
+         : head_dim <= 192 ? fwd_tile(head_dim)
+                           : FwdTile{64, 64, 4};
 }
 
 struct BwdTile {

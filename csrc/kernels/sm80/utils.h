@@ -122,6 +122,30 @@ __device__ __forceinline__ void copy_rows(const TiledCopy& tiled_copy, const Ten
   }
 }
 
+// copy_rows for a tile whose rows all exist: no row predicate. The mainloops walk their key (query)
+// blocks from the last down, so only the first block they load can end past the sequence; the
+// loads inside the loop take this one (the d = 128 backward's loop had a branch per copied row,
+// 16 per query block).
+template <typename TiledCopy, typename TensorG, typename TensorS, typename TensorC, typename Cols = AllCols>
+__device__ __forceinline__ void copy_full_rows(const TiledCopy& tiled_copy, const TensorG& src, TensorS& dst,
+                                               const TensorC& coords, Cols cols = {}) {
+  if constexpr (Cols::kAll) {
+    copy(tiled_copy, src, dst);
+  } else {
+    CUTE_UNROLL
+    for (int m = 0; m < size<1>(src); ++m) {
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(src); ++k) {
+        if (cols.has(get<1>(coords(0, m, k)))) {
+          copy(tiled_copy, src(_, m, k), dst(_, m, k));
+        } else {
+          clear(dst(_, m, k));
+        }
+      }
+    }
+  }
+}
+
 // Shared -> global copy of a (rows, head_dim) tile, skipping rows at or past `max_rows` and the
 // columns not in `cols`.
 template <typename TiledCopy, typename TensorS, typename TensorG, typename TensorC, typename Cols = AllCols>
