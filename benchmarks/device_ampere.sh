@@ -68,9 +68,9 @@ case "${PHASE:-tests}" in
       CUDA_VISIBLE_DEVICES=$(gpu 3) timeout 150 python3 benchmarks/hardening_memory.py --det-seqlen 32768 \
         --out "$OUT" 2>&1 | tail -16
     }
-    # One GPU: the shards one after the other (side by side, two subprocess tests ran out of memory
-    # on an 80 GB H100).
-    for i in 0 1 2 3; do
+    # SHARDS: which of them (default all). One GPU: the shards one after the other (side by side,
+    # two subprocess tests ran out of memory on an 80 GB H100).
+    for i in ${SHARDS:-0 1 2 3}; do
       if [ "$NGPU" = 1 ]; then "s$i" >"$LOGS/s$i.txt"; else "s$i" >"$LOGS/s$i.txt" & fi
     done
     wait

@@ -36,7 +36,8 @@ __device__ __forceinline__ float quad_allreduce(float x, Op op) {
   return x;
 }
 
-template <int kNRows>
+// kRowsTogether: the order of max_and_exp's work over the thread's rows (see there).
+template <int kNRows, bool kRowsTogether = false>
 struct OnlineSoftmax {
   static constexpr int kRows = kNRows;
   cute::Tensor<cute::ArrayEngine<float, kNRows>, cute::Layout<cute::Shape<cute::Int<kNRows>>>> row_max, row_sum;
@@ -55,49 +56,90 @@ struct OnlineSoftmax {
 
   static constexpr float kRescaleThreshold = 8.f;
 
+  // The thread's max of row mi of this tile and the running max (this tile's alone if kFirst).
+  template <bool kFirst, typename TensorS>
+  __device__ __forceinline__ float row_max_of(const TensorS& scores, int mi) const {
+    float m = kFirst ? -INFINITY : row_max(mi);
+    CUTE_UNROLL
+    for (int ni = 0; ni < cute::size<1>(scores); ++ni) m = MaxOp{}(m, scores(mi, ni));
+    return m;
+  }
+
+  // Whether the row's offset moves to the new max m. A row that has seen only masked keys (max
+  // -inf) takes the new max whatever it is.
+  template <bool kFirst>
+  __device__ __forceinline__ bool raises(float m, float m_old) const {
+    return kFirst || m_old == -INFINITY || (m - m_old) * scale_log2 > kRescaleThreshold;
+  }
+
+  // Row mi's exponentials at its (updated) offset, and its running sum.
+  template <bool kFirst, typename TensorS>
+  __device__ __forceinline__ void exp_row(TensorS& scores, int mi, float correction) {
+    const float offset = scaled_max(row_max(mi));
+    float s = 0.f;
+    CUTE_UNROLL
+    for (int ni = 0; ni < cute::size<1>(scores); ++ni) {
+      scores(mi, ni) = exp2f(scores(mi, ni) * scale_log2 - offset);
+      s += scores(mi, ni);
+    }
+    row_sum(mi) = kFirst ? s : row_sum(mi) * correction + s;
+  }
+
   // Turns `scores` (rows, cols) into unnormalised probabilities in place and returns, per row,
   // the factor exp(old_max - new_max) by which the output accumulator must be rescaled (1 where
   // the max was kept). The rescale is left to the caller: the sm90 mainloop applies it later,
   // once no wgmma is writing the accumulator. The row sums stay per-thread partial sums until
   // finalize(), saving two shuffles per row per tile.
   //
-  // Written in phases over all the thread's rows (max, shuffles, new offset, exponentials) with
-  // the kept-or-raised choice as selects: as one pass per row, the choice compiled to a branch per
-  // row, which kept the compiler from overlapping one row's shuffles and exponentials with the
-  // next row's (sm80 d = 128 forward: 20% of warp cycles stalled on the short scoreboard against
-  // FlashAttention-2's 7%, ncu, H200).
+  // Two orders of the same arithmetic (kRowsTogether):
+  // - false: one pass per row; the kept-or-raised choice compiles to a branch per row.
+  // - true: in phases over all the thread's rows (max, shuffles, offsets, exponentials), the choice
+  //   as selects, so one row's shuffles and exponentials overlap the next row's. In the sm80 plain
+  //   forward, the row-by-row order stalled 20% of warp cycles on the short scoreboard against
+  //   FlashAttention-2's 7% (d = 128, ncu, H200); the phased one made it 1.08-1.16x faster. The
+  //   kernels with the score features and the sm90 forward keep the row-by-row order: phased, the
+  //   sm90 forward at d = 64 / 128 measured 1-3% slower and the sm80 features forward at d = 64
+  //   2-6% slower (PERFLOG.md entry 94).
   template <bool kFirst, typename TensorS>
   __device__ __forceinline__ auto max_and_exp(TensorS& scores) {
     static_assert(decltype(cute::size<0>(scores))::value == kNRows);
     auto correction = cute::make_tensor<float>(cute::Shape<cute::Int<kNRows>>{});
-    float m[kNRows];
-    CUTE_UNROLL
-    for (int mi = 0; mi < kNRows; ++mi) {
-      m[mi] = kFirst ? -INFINITY : row_max(mi);
+    if constexpr (kRowsTogether) {
+      float m[kNRows];
       CUTE_UNROLL
-      for (int ni = 0; ni < cute::size<1>(scores); ++ni) m[mi] = MaxOp{}(m[mi], scores(mi, ni));
-    }
-    CUTE_UNROLL
-    for (int mi = 0; mi < kNRows; ++mi) m[mi] = quad_allreduce(m[mi], MaxOp{});
-    CUTE_UNROLL
-    for (int mi = 0; mi < kNRows; ++mi) {
-      const float m_old = row_max(mi);
-      // A row that has seen only masked keys (max -inf) takes the new max whatever it is.
-      const bool raise = kFirst || m_old == -INFINITY || (m[mi] - m_old) * scale_log2 > kRescaleThreshold;
-      const float c = exp2f(scaled_max(m_old) - scaled_max(m[mi]));
-      correction(mi) = kFirst || !raise ? 1.f : c;
-      row_max(mi) = raise ? m[mi] : m_old;
-    }
-    CUTE_UNROLL
-    for (int mi = 0; mi < kNRows; ++mi) {
-      const float offset = scaled_max(row_max(mi));
-      float s = 0.f;
+      for (int mi = 0; mi < kNRows; ++mi) m[mi] = row_max_of<kFirst>(scores, mi);
       CUTE_UNROLL
-      for (int ni = 0; ni < cute::size<1>(scores); ++ni) {
-        scores(mi, ni) = exp2f(scores(mi, ni) * scale_log2 - offset);
-        s += scores(mi, ni);
+      for (int mi = 0; mi < kNRows; ++mi) m[mi] = quad_allreduce(m[mi], MaxOp{});
+      CUTE_UNROLL
+      for (int mi = 0; mi < kNRows; ++mi) {
+        const float m_old = row_max(mi);
+        const bool raise = raises<kFirst>(m[mi], m_old);
+        const float c = exp2f(scaled_max(m_old) - scaled_max(m[mi]));
+        correction(mi) = kFirst || !raise ? 1.f : c;
+        row_max(mi) = raise ? m[mi] : m_old;
       }
-      row_sum(mi) = kFirst ? s : row_sum(mi) * correction(mi) + s;
+      CUTE_UNROLL
+      for (int mi = 0; mi < kNRows; ++mi) exp_row<kFirst>(scores, mi, correction(mi));
+    } else {
+      CUTE_UNROLL
+      for (int mi = 0; mi < kNRows; ++mi) {
+        const float m_old = row_max(mi);
+        float m = kFirst ? -INFINITY : m_old;
+        CUTE_UNROLL
+        for (int ni = 0; ni < cute::size<1>(scores); ++ni) m = MaxOp{}(m, scores(mi, ni));
+        m = quad_allreduce(m, MaxOp{});
+        const bool raise = raises<kFirst>(m, m_old);
+        correction(mi) = kFirst || !raise ? 1.f : exp2f(scaled_max(m_old) - scaled_max(m));
+        if (raise) row_max(mi) = m;
+        const float offset = scaled_max(row_max(mi));
+        float s = 0.f;
+        CUTE_UNROLL
+        for (int ni = 0; ni < cute::size<1>(scores); ++ni) {
+          scores(mi, ni) = exp2f(scores(mi, ni) * scale_log2 - offset);
+          s += scores(mi, ni);
+        }
+        row_sum(mi) = kFirst ? s : row_sum(mi) * correction(mi) + s;
+      }
     }
     return correction;
   }

@@ -2,6 +2,8 @@
 // dQ conversion, all on the caller's stream.
 #pragma once
 
+#include <type_traits>
+
 #include "kernels/common/bwd_preprocess.h"
 #include "kernels/common/tile_scheduler.h"
 #include "kernels/common/varlen_tiles.h"
@@ -25,6 +27,24 @@ Status launch_bwd_main(const BwdParams& params, const GridTileParams& sched, int
   return cuda_status(cudaGetLastError(), "sm80 backward launch");
 }
 
+// The plain dense backward: on PlainTraits (bwd_plain_tile) where the device's shared memory
+// allows, else on Traits.
+template <typename PlainTraits, typename Traits>
+Status launch_bwd_plain(const BwdParams& params, int n_blocks, cudaStream_t stream) {
+  if constexpr (!std::is_same_v<PlainTraits, Traits>) {
+    int limit = 0;
+    if (Status s = device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(
+            limit, "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)");
+        !s.ok())
+      return s;
+    if (PlainTraits::kSmemBytes <= limit)
+      return launch_bwd_main<PlainTraits, PlainScores, DenseGridTileScheduler, /*kOrderedDq=*/false>(params, {},
+                                                                                                   n_blocks, stream);
+  }
+  return launch_bwd_main<Traits, PlainScores, DenseGridTileScheduler, /*kOrderedDq=*/false>(params, {}, n_blocks,
+                                                                                          stream);
+}
+
 template <int kHeadDim, typename Element>
 Status run_bwd(const BwdParams& params, cudaStream_t stream) {
   constexpr BwdTile kTile = bwd_tile(kHeadDim);
@@ -33,6 +53,9 @@ Status run_bwd(const BwdParams& params, cudaStream_t stream) {
   using NarrowTraits = BwdTraits<kHeadDim, kTile.block_m, kTile.block_n, kTile.warps, kTile.atom_m_sdp,
                                  kTile.atom_n_dkv, kTile.atom_m_dq, kTile.q_stages, Element, kTile.late_offsets,
                                  /*kNarrow=*/true>;
+  constexpr BwdTile kPlain = bwd_plain_tile(kHeadDim);
+  using PlainTraits = BwdTraits<kHeadDim, kPlain.block_m, kPlain.block_n, kPlain.warps, kPlain.atom_m_sdp,
+                                kPlain.atom_n_dkv, kPlain.atom_m_dq, kPlain.q_stages, Element, kPlain.late_offsets>;
   const AttnProblem& p = params.problem;
   if (Status s = check_smem_fits(Traits::kSmemBytes, "sm80 backward"); !s.ok()) return s;
   // A packed batch: its query rows (preprocess, dQ conversion) and key blocks (main kernel) are
@@ -51,19 +74,19 @@ Status run_bwd(const BwdParams& params, cudaStream_t stream) {
     bwd_preprocess_kernel<kFamilyArch, kHeadDim, Element, false><<<pre_grid, BwdPreprocess::kWarps * 32, 0, stream>>>(params, rows);
   if (Status s = cuda_status(cudaGetLastError(), "sm80 backward preprocess launch"); !s.ok()) return s;
 
-  // Four instantiations: dense calls run kernels without the packed path (DenseGridTileScheduler:
-  // register spills), and those without softcap, ALiBi, dropout or deterministic mode one with
-  // them compiled out too (PlainScores: the switches cost those calls up to a tenth, PERFLOG.md
-  // entry 93; BwdDqOrder<false>); tensors narrower than the tile (head_dim_real), dense or packed,
-  // one that predicates by column (BwdTraits::kNarrow).
+  // Four instantiations (five at d > 128): dense calls run kernels without the packed path
+  // (DenseGridTileScheduler: register spills), and those without softcap, ALiBi, dropout or
+  // deterministic mode one with them compiled out too (PlainScores: the switches cost those calls
+  // up to a tenth, PERFLOG.md entry 93; BwdDqOrder<false>), with two Q stages where shared memory
+  // allows (launch_bwd_plain); tensors narrower than the tile (head_dim_real), dense or packed, one
+  // that predicates by column (BwdTraits::kNarrow).
   const int n_blocks = ceil_div(p.seqlen_k, kTile.block_n);
   const Status s = p.cols() != kHeadDim
                        ? launch_bwd_main<NarrowTraits, AllScoreFeatures, GridTileScheduler>(params, sched, n_blocks, stream)
                    : p.is_varlen()
                        ? launch_bwd_main<Traits, AllScoreFeatures, GridTileScheduler>(params, sched, n_blocks, stream)
                    : PlainScores::covers(p) && !params.deterministic
-                       ? launch_bwd_main<Traits, PlainScores, DenseGridTileScheduler, /*kOrderedDq=*/false>(
-                             params, {}, n_blocks, stream)
+                       ? launch_bwd_plain<PlainTraits, Traits>(params, n_blocks, stream)
                        : launch_bwd_main<Traits, AllScoreFeatures, DenseGridTileScheduler>(params, {}, n_blocks, stream);
   if (!s.ok()) return s;
 

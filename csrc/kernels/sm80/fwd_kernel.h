@@ -56,7 +56,7 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
   Tensor lse = make_tensor<float>(Shape<Int<kRows>>{});
   if (n_min < n_max) {
     using Score = typename Mainloop::Score;
-    OnlineSoftmax<kRows> softmax(Score::scale_log2(p));
+    typename Mainloop::template Softmax<kRows> softmax(Score::scale_log2(p));
     Mainloop::run(gQ, gK, gV, smem, p, Score(p, mask, tile.batch, head), m_block, n_min, n_max, acc_o, softmax);
     Tensor o_rc = rowcol_view(acc_o);
     softmax.finalize(o_rc, lse, Score::softmax_scale(p), Score::keep_scale(p));

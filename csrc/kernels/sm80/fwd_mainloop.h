@@ -8,7 +8,10 @@
 
 #include <cute/tensor.hpp>
 
+#include <type_traits>
+
 #include "kernels/common/score_policy.h"
+#include "kernels/common/softmax.h"
 #include "kernels/sm80/utils.h"
 
 namespace cutlass_flash::sm80 {
@@ -21,6 +24,13 @@ struct FwdMainloop {
   using Traits = Traits_;
   using Features = Features_;
   using Score = ScorePolicy<Features>;
+  // The plain kernels overlap the rows' softmax work (OnlineSoftmax's kRowsTogether) and load the
+  // key blocks after the first without row predicates (copy_full_rows). The kernels with the
+  // features keep both as they were: with the unpredicated loads their forward measured 3-7%
+  // slower at d = 64 (5-9% faster at d = 128, 1% slower at d = 256; H200, PERFLOG.md entry 94).
+  static constexpr bool kPlain = std::is_same_v<Features, PlainScores>;
+  template <int kRows>
+  using Softmax = OnlineSoftmax<kRows, kPlain>;
   using Element = typename Traits::Element;
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kBlockN = Traits::kBlockN;
@@ -86,7 +96,7 @@ struct FwdMainloop {
       clear(acc_s);
       cp_async_wait<0>();
       __syncthreads();  // K(n) visible to all; every warp finished reading V(n+1)
-      if (first)  // the last key block, which may end past the keys
+      if (!kPlain || first)  // the last key block, which may end past the keys
         copy_rows(gmem_copy, tVgV(_, _, _, n), tVsV, tKVcKV, seqlen_k - n * kBlockN, cols);
       else
         copy_full_rows(gmem_copy, tVgV(_, _, _, n), tVsV, tKVcKV, cols);
@@ -99,7 +109,10 @@ struct FwdMainloop {
       cp_async_wait<0>();
       __syncthreads();  // V(n) visible to all; every warp finished reading K(n)
       if (n > n_min) {
-        copy_full_rows(gmem_copy, tKgK(_, _, _, n - 1), tKsK, tKVcKV, cols);
+        if constexpr (kPlain)
+          copy_full_rows(gmem_copy, tKgK(_, _, _, n - 1), tKsK, tKVcKV, cols);
+        else
+          copy_rows(gmem_copy, tKgK(_, _, _, n - 1), tKsK, tKVcKV, seqlen_k - (n - 1) * kBlockN, cols);
         cp_async_fence();
       }
 

@@ -67,4 +67,14 @@ constexpr BwdTile bwd_tile(int head_dim) {
                            : BwdTile{64, 64, 8, 4, 2, 2, 1, false};
 }
 
+// The plain backward (PlainScores, no deterministic order) on GPUs with the shared memory for it
+// (the launcher asks): two Q stages at every head dim, FlashAttention-2's choice on an H100
+// (176 KB at d = 256). d = 256 measured 0.93-1.03x FA2 against 0.89-0.96x with one stage (H200,
+// bf16, 1k-16k, PERFLOG.md entry 94); an A100 runs bwd_tile's single stage.
+constexpr BwdTile bwd_plain_tile(int head_dim) {
+  BwdTile tile = bwd_tile(head_dim);
+  tile.q_stages = 2;
+  return tile;
+}
+
 }  // namespace cutlass_flash::sm80
