@@ -59,12 +59,15 @@ inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
 // 163 KiB of an A100 (the sm90 family's for the 227 KiB of an H100), and GPUs of compute
 // capability 8.6 / 8.9 (RTX 30xx / 40xx, A10, L4, L40S) have 99 KiB: there
 // cudaFuncSetAttribute would fail with a bare "invalid argument".
+// The shared memory a block of the current device may opt in to.
+inline Status smem_per_block_optin(int& bytes) {
+  return device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(
+      bytes, "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)");
+}
+
 inline Status check_smem_fits(int smem_bytes, const char* what) {
   int limit = 0;
-  if (Status s = device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(
-          limit, "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)");
-      !s.ok())
-    return s;
+  if (Status s = smem_per_block_optin(limit); !s.ok()) return s;
   if (smem_bytes <= limit) return Status::Ok();
   int device = 0;
   cudaDeviceProp prop{};

@@ -33,10 +33,7 @@ template <typename PlainTraits, typename Traits>
 Status launch_bwd_plain(const BwdParams& params, int n_blocks, cudaStream_t stream) {
   if constexpr (!std::is_same_v<PlainTraits, Traits>) {
     int limit = 0;
-    if (Status s = device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(
-            limit, "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)");
-        !s.ok())
-      return s;
+    if (Status s = smem_per_block_optin(limit); !s.ok()) return s;
     if (PlainTraits::kSmemBytes <= limit)
       return launch_bwd_main<PlainTraits, PlainScores, DenseGridTileScheduler, /*kOrderedDq=*/false>(params, {},
                                                                                                    n_blocks, stream);
