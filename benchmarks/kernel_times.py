@@ -1,8 +1,10 @@
-"""Per-kernel GPU time of one call (torch.profiler), ours against FlashAttention-3 where it imports:
-where a whole-call gap comes from (main kernel, preprocess, dQ conversion, memsets).
+"""Per-kernel GPU time of one call (torch.profiler), ours against FlashAttention-3 where it imports
+(or, with --peer fa2, SDPA's FlashAttention-2): where a whole-call gap comes from (main kernel,
+preprocess, dQ conversion, memsets).
 
     python benchmarks/kernel_times.py --mode fwdbwd --head-dims 128 --seqlens 1024,2048,8192
     python benchmarks/kernel_times.py --mode varlen-fwd --head-dims 128
+    CUTLASS_FLASH_FORCE_ARCH=80 python benchmarks/kernel_times.py --peer fa2 --seqlens 1024
 
 fwdbwd: dense batch x seqlen = --tokens, nheads x head_dim = --hidden, forward + backward; each
 kernel's mean time over --iters calls. varlen-fwd: the forward on --tokens packed from documents
@@ -31,6 +33,8 @@ def parse_args(argv=None):
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--causal", type=bench._ints, default=[0, 1])
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--peer", choices=["fa3", "fa2"], default="fa3",
+                   help="fa2: SDPA's FlashAttention-2 beside ours (fwdbwd only)")
     return p.parse_args(argv)
 
 
@@ -65,6 +69,14 @@ def _report(label, times):
         print(f"  {t:9.1f} us  {name}")
 
 
+def _sdpa_flash(q, k, v, causal):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).transpose(1, 2)
+
+
 def run_fwdbwd(args, fa3):
     for hd in args.head_dims:
         nheads = args.hidden // hd
@@ -75,7 +87,9 @@ def run_fwdbwd(args, fa3):
                                        requires_grad=True) for _ in range(3))
                 do = torch.randn_like(q)
                 impls = {"ours": lambda: cutlass_flash.flash_attn_func(q, k, v, causal=causal)}
-                if fa3 is not None:
+                if args.peer == "fa2":
+                    impls["fa2"] = lambda: _sdpa_flash(q, k, v, causal)
+                elif fa3 is not None:
                     impls["fa3"] = lambda: fa3.flash_attn_func(q, k, v, causal=causal)
                 for name, f in impls.items():
                     def step(f=f):
@@ -123,7 +137,7 @@ def main(argv=None):
     args = parse_args(argv)
     for k, v in bench.environment().items():
         print(f"- {k}: {v}")
-    fa3 = bench._fa3_interface()
+    fa3 = bench._fa3_interface() if args.peer == "fa3" else None
     (run_fwdbwd if args.mode == "fwdbwd" else run_varlen)(args, fa3)
     return 0
 

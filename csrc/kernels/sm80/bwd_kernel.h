@@ -11,6 +11,7 @@
 #include "cutlass_flash/params.h"
 #include "kernels/common/block_info.h"
 #include "kernels/common/score_policy.h"
+#include "kernels/common/tile_store.h"
 #include "kernels/common/tile_scheduler.h"
 #include "kernels/sm80/bwd_epilogue.h"
 #include "kernels/sm80/bwd_mainloop.h"
@@ -21,14 +22,21 @@ namespace cutlass_flash::sm80 {
 
 using namespace cute;
 
-// dq = softmax_scale * dQ scratch, one thread block per query tile, each thread reading back the
-// accumulators it would have held in the main kernel's dQ MMA (coalesced) and writing them at
-// their (row, col).
+// dq = softmax_scale * dQ scratch, one thread block per query tile: each thread reads back the
+// accumulators it would have held in the main kernel's dQ MMA (dq_accum_index: coalesced), converts
+// them and puts them at their (row, col) of a shared tile, from which the block writes whole rows in
+// 16-byte stores. Stored straight from the accumulator layout (2-byte stores, 8 rows per warp
+// instruction) the kernel took 126-135 us at 16k tokens x 2048 (H200, d = 64-256), twice
+// FlashAttention-2's 61-66 us, and was most of the 1k backward's gap to it (PERFLOG.md entry 95).
 template <typename Traits, bool kPacked>
 __global__ void __launch_bounds__(Traits::kNThreads) bwd_convert_dq_kernel(const __grid_constant__ BwdParams params,
                                                                               const __grid_constant__ VarlenTiles rows) {
   using Element = typename Traits::Element;
-  constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
+  constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim, kThreads = Traits::kNThreads;
+  // 16 bytes of padding per row: the accumulator layout's 8 rows per store instruction then fall
+  // in different banks, and each row stays 16-byte aligned.
+  constexpr int kPitch = kHeadDim + 16 / int(sizeof(Element));
+  __shared__ alignas(16) Element smem[kBlockM * kPitch];
   const AttnProblem& p = params.problem;
   const BwdWorkspace ws = bwd_workspace_layout(p, params.deterministic, kFamilyArch);
   const int tid = threadIdx.x, head = blockIdx.y;
@@ -53,15 +61,12 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_convert_dq_kernel(const
   CUTE_UNROLL
   for (int i = 0; i < size(acc_dq); ++i) acc_dq(i) *= p.softmax_scale;
   Tensor rdq = convert_type<Element>(acc_dq);
-  Tensor mdq = make_tensor(make_gmem_ptr(seq.q_rows<Element>(p, params.dq, head)),
-                           make_shape(seq.seqlen_q, Int<kHeadDim>{}), make_stride(params.dq.row_stride, _1{}));
-  Tensor tdq = thr_dq.partition_C(local_tile(mdq, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0)));
-  Tensor tcoord = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  const int rows_left = seq.seqlen_q - m_block * kBlockM;
-  CUTE_UNROLL
-  for (int i = 0; i < size(rdq); ++i) {
-    if (get<0>(tcoord(i)) < rows_left && get<1>(tcoord(i)) < p.cols()) tdq(i) = rdq(i);
-  }
+  Tensor sdq = make_tensor(make_smem_ptr(smem), Shape<Int<kBlockM>, Int<kHeadDim>>{}, Stride<Int<kPitch>, _1>{});
+  store_pairs(rdq, thr_dq.partition_C(sdq));
+  __syncthreads();
+  Element* dq = seq.q_rows<Element>(p, params.dq, head) + int64_t(m_block) * kBlockM * params.dq.row_stride;
+  store_rows_16b<kBlockM, kHeadDim, kThreads>(sdq, 0, dq, params.dq.row_stride, seq.seqlen_q - m_block * kBlockM,
+                                              p.cols(), tid);
 }
 
 // The main kernel, composed as bwd_kernel<Mainloop, Epilogue, Scheduler> like the sm90 family's.

@@ -9,6 +9,7 @@
 #include "cutlass_flash/params.h"
 #include "kernels/common/block_info.h"
 #include "kernels/common/convert.h"
+#include "kernels/common/tile_store.h"
 
 namespace cutlass_flash::sm90 {
 
@@ -157,41 +158,6 @@ __device__ __forceinline__ void red_add(float4* dst, float4 v) {
 // Orders the async proxy's global accesses (bulk reduce-adds) against the generic proxy's.
 __device__ __forceinline__ void fence_proxy_async_global() {
   asm volatile("fence.proxy.async.global;" ::: "memory");
-}
-
-// Converted 16-bit accumulator values `r` to their places in a shared tile (`dst`: the tile
-// partitioned as the accumulator), two consecutive columns per 4-byte store.
-template <typename Regs, typename Dst>
-__device__ __forceinline__ void store_pairs(const Regs& r, Dst&& dst) {
-  static_assert(decltype(size<0, 0>(r))::value == 2, "accumulator pairs are two consecutive columns");
-  CUTE_UNROLL
-  for (int i = 0; i < size(r); i += 2)
-    *reinterpret_cast<uint32_t*>(&dst(i)) = uint32_t(r(i).raw()) | uint32_t(r(i + 1).raw()) << 16;
-}
-
-// Rows [first, first + kRows) of the (row, col) shared tile `s` to `dst`'s rows of the same index
-// (row stride `row_stride` elements) in 16-byte stores by kThreads threads (tid in [0, kThreads));
-// rows at or past `rows_left`, and columns at or past `cols` (the tensor's own width,
-// AttnProblem::cols), are left alone. `s` keeps 8 consecutive columns from a multiple of 8
-// contiguous (a padded row or a 16-byte swizzle). kUnroll = false keeps the loop rolled, where
-// unrolled it spilled (the forward's partial slab).
-template <int kRows, int kCols, int kThreads, bool kUnroll = true, typename Smem, typename Element>
-__device__ __forceinline__ void store_rows_16b(const Smem& s, int first, Element* dst, int64_t row_stride,
-                                               int rows_left, int cols, int tid) {
-  constexpr int kChunks = kCols * int(sizeof(Element)) / 16;  // 16-byte chunks per row
-  static_assert(kRows * kChunks % kThreads == 0);
-  auto copy_chunk = [&](int i) {
-    const int row = first + i / kChunks, col = i % kChunks * 8;
-    if (row < rows_left && col < cols)
-      *reinterpret_cast<uint4*>(dst + int64_t(row) * row_stride + col) = *reinterpret_cast<const uint4*>(&s(row, col));
-  };
-  if constexpr (kUnroll) {
-    CUTE_UNROLL
-    for (int k = 0; k < kRows * kChunks / kThreads; ++k) copy_chunk(tid + kThreads * k);
-  } else {
-#pragma unroll 1
-    for (int i = tid; i < kRows * kChunks; i += kThreads) copy_chunk(i);
-  }
 }
 
 // The TMA coordinate tensor of (sequence seq, head) of a query-side (kQuery) or key-side tensor
