@@ -48,6 +48,21 @@ Status device_attribute(int& value, const char* what) {
   return Status::Ok();
 }
 
+// Blocks of kKernel (threads threads, smem bytes of dynamic shared memory, its limit raised by
+// ensure_smem_limit) resident per multiprocessor of the current device, queried once per device.
+template <auto kKernel>
+Status resident_blocks(int threads, int smem, int& blocks) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cached[kMaxDevices] = {};
+  int device = 0;
+  if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return cuda_status(err, "cudaGetDevice");
+  if (device < kMaxDevices && (blocks = cached[device].load(std::memory_order_relaxed)) > 0) return Status::Ok();
+  if (cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kKernel, threads, smem); err != cudaSuccess)
+    return cuda_status(err, "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  if (device < kMaxDevices) cached[device].store(blocks, std::memory_order_relaxed);
+  return Status::Ok();
+}
+
 inline Status multiprocessor_count(int& count) {
   return device_attribute<cudaDevAttrMultiProcessorCount>(count, "cudaDeviceGetAttribute(MultiProcessorCount)");
 }

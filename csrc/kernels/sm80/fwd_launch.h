@@ -1,6 +1,8 @@
 // Host launcher of the sm80 forward kernel for one head dim and element type.
 #pragma once
 
+#include <type_traits>
+
 #include "kernels/common/tile_scheduler.h"
 #include "kernels/common/varlen_tiles.h"
 #include "kernels/sm80/fwd_kernel.h"
@@ -21,11 +23,34 @@ Status launch_fwd(const FwdParams& params, const GridTileParams& sched, cudaStre
   return cuda_status(cudaGetLastError(), "sm80 forward launch");
 }
 
-// Three instantiations: the calls without softcap, ALiBi, dropout or a packed batch run one with
-// those compiled out (PlainScores, DenseGridTileScheduler: the runtime switches cost those calls
-// up to a third, PERFLOG.md entry 93); tensors narrower than the tile (head_dim_real) one with
-// all of them that predicates by column (FwdTraits::kNarrow); every other call the one with all
-// of them.
+// The plain dense forward: on StagedTraits (two K/V buffers, fwd_plain_tile) where as many of its
+// blocks stay resident per SM as of Traits' (one buffer), else on Traits.
+template <typename StagedTraits, typename Traits>
+Status launch_fwd_plain(const FwdParams& params, cudaStream_t stream) {
+  if constexpr (!std::is_same_v<StagedTraits, Traits>) {
+    constexpr auto staged = fwd_kernel<FwdMainloop<StagedTraits, PlainScores>, FwdEpilogue<StagedTraits>,
+                                       DenseGridTileScheduler>;
+    constexpr auto single = fwd_kernel<FwdMainloop<Traits, PlainScores>, FwdEpilogue<Traits>, DenseGridTileScheduler>;
+    int limit = 0, staged_blocks = 0, single_blocks = 0;
+    if (Status s = smem_per_block_optin(limit); !s.ok()) return s;
+    if (StagedTraits::kSmemBytes <= limit) {
+      Status s = ensure_smem_limit<staged>(StagedTraits::kSmemBytes);
+      if (s.ok()) s = ensure_smem_limit<single>(Traits::kSmemBytes);
+      if (s.ok()) s = resident_blocks<staged>(StagedTraits::kNThreads, StagedTraits::kSmemBytes, staged_blocks);
+      if (s.ok()) s = resident_blocks<single>(Traits::kNThreads, Traits::kSmemBytes, single_blocks);
+      if (!s.ok()) return s;
+      if (staged_blocks >= single_blocks)
+        return launch_fwd<StagedTraits, PlainScores, DenseGridTileScheduler>(params, {}, stream);
+    }
+  }
+  return launch_fwd<Traits, PlainScores, DenseGridTileScheduler>(params, {}, stream);
+}
+
+// Three instantiations (four up to d = 128): the calls without softcap, ALiBi, dropout or a packed
+// batch run one with those compiled out (PlainScores, DenseGridTileScheduler: the runtime switches
+// cost those calls up to a third, PERFLOG.md entry 93), on two K/V buffers where the device allows
+// (launch_fwd_plain); tensors narrower than the tile (head_dim_real) one with all of them that
+// predicates by column (FwdTraits::kNarrow); every other call the one with all of them.
 template <int kHeadDim, typename Element>
 Status run_fwd(const FwdParams& params, cudaStream_t stream) {
   constexpr FwdTile kTile = fwd_tile(kHeadDim);
@@ -37,8 +62,10 @@ Status run_fwd(const FwdParams& params, cudaStream_t stream) {
   if (!narrow && !p.is_varlen() && PlainScores::covers(p)) {
     constexpr FwdTile kPlain = fwd_plain_tile(kHeadDim);
     using PlainTraits = FwdTraits<kHeadDim, kPlain.block_m, kPlain.block_n, kPlain.warps, Element>;
+    using StagedTraits =
+        FwdTraits<kHeadDim, kPlain.block_m, kPlain.block_n, kPlain.warps, Element, /*kNarrow=*/false, kPlain.kv_stages>;
     if (Status s = check_smem_fits(PlainTraits::kSmemBytes, "sm80 forward"); !s.ok()) return s;
-    return launch_fwd<PlainTraits, PlainScores, DenseGridTileScheduler>(params, {}, stream);
+    return launch_fwd_plain<StagedTraits, PlainTraits>(params, stream);
   }
   // A packed batch: its query blocks are listed first (common/varlen_tiles.h), one block each.
   GridTileScheduler::Params sched;

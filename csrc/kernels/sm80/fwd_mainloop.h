@@ -4,6 +4,8 @@
 // Pipeline, per key block n (walking from the last block down, so the blocks that need masking
 // come first): wait for K(n) -> issue the cp.async of V(n) -> S = Q K(n)^T -> mask -> wait for V(n)
 // -> issue the cp.async of K(n-1) -> online softmax -> O += P V(n). Each load overlaps one GEMM.
+// With two K and V buffers (Traits::kKVStages, the plain kernels), block n-1's loads are issued a
+// phase earlier and each overlaps about one whole block's work.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -29,6 +31,7 @@ struct FwdMainloop {
   // features keep both as they were: with the unpredicated loads their forward measured 3-7%
   // slower at d = 64 (5-9% faster at d = 128, 1% slower at d = 256; H200, PERFLOG.md entry 94).
   static constexpr bool kPlain = std::is_same_v<Features, PlainScores>;
+  static constexpr int kStages = Traits::kKVStages;
   template <int kRows>
   using Softmax = OnlineSoftmax<kRows, kPlain>;
   using Element = typename Traits::Element;
@@ -45,7 +48,7 @@ struct FwdMainloop {
     const int tid = threadIdx.x;
     Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});
     Tensor sK = make_tensor(sQ.data() + size(sQ), typename Traits::SmemLayoutKV{});
-    Tensor sV = make_tensor(sK.data() + size(sK), typename Traits::SmemLayoutKV{});
+    Tensor sV = make_tensor(sK.data() + kStages * size(sK), typename Traits::SmemLayoutKV{});
     Tensor sVt = make_tensor(sV.data(), typename Traits::SmemLayoutVt{});
     Tensor sVtNoSwizzle = make_tensor(sV.data(), typename Traits::SmemLayoutVtNoSwizzle{});
 
@@ -86,6 +89,50 @@ struct FwdMainloop {
 
     Tensor o_rc = rowcol_view(acc_o);
     Tensor tScS_rc = rowcol_view(tScS);
+    if constexpr (kStages == 2) {
+      // Two buffers each of K and V: block n - 1's K loads during block n's S GEMM, softmax and
+      // O GEMM, its V during block n's softmax and O GEMM and its own S GEMM.
+      static_assert(kPlain, "two stages: the plain kernels (no dropout bits, full-row loads)");
+      constexpr int kBuffer = kBlockN * kHeadDim;  // elements of one K or V buffer
+      copy_rows(gmem_copy, tVgV(_, _, _, n), tVsV, tKVcKV, seqlen_k - n * kBlockN, cols);
+      cp_async_fence();
+      auto at = [](const auto& t, int offset) { return make_tensor(t.data() + offset, t.layout()); };
+      for (int stage = 0; n >= n_min; --n, stage ^= 1) {
+        const int here = stage * kBuffer, there = (stage ^ 1) * kBuffer;
+        Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+        clear(acc_s);
+        cp_async_wait<1>();  // K(n); V(n) may be in flight
+        __syncthreads();     // K(n) visible to all; every warp done with block n + 1's buffers
+        if (n > n_min) {
+          Tensor dst = at(tKsK, there);
+          copy_full_rows(gmem_copy, tKgK(_, _, _, n - 1), dst, tKVcKV, cols);
+        }
+        cp_async_fence();  // an empty group at the last block keeps the wait counts uniform
+
+        gemm_ss(acc_s, tSrQ, tSrK, tSsQ, at(tSsK, here), tiled_mma, copy_q, copy_k, thr_copy_q, thr_copy_k);
+        score.before_softmax(acc_s, tScS, m_block * kBlockM, n * kBlockN,
+                             [&] { return mask.block_needs_mask<kBlockM, kBlockN>(m_block, n); });
+
+        cp_async_wait<1>();  // V(n); K(n - 1) may be in flight
+        __syncthreads();     // V(n) visible to all
+        if (n > n_min) {
+          Tensor dst = at(tVsV, there);
+          copy_full_rows(gmem_copy, tVgV(_, _, _, n - 1), dst, tKVcKV, cols);
+        }
+        cp_async_fence();
+
+        Tensor scores = rowcol_view(acc_s);
+        if (n == n_max - 1) {
+          softmax.template update</*kFirst=*/true>(scores, o_rc);
+        } else {
+          softmax.template update</*kFirst=*/false>(scores, o_rc);
+        }
+        Tensor rP = convert_type<Element>(acc_s);
+        Tensor tOrP = make_tensor(rP.data(), acc_as_a_layout(rP.layout()));
+        gemm_rs(acc_o, tOrP, tOrVt, at(tOsVt, here), tiled_mma, copy_v, thr_copy_v);
+      }
+      return;
+    }
     for (bool first = true; n >= n_min; --n, first = false) {
       // Dropout's keep bits before S is live (Traits::kDropoutBitsFirst), or later on P in place.
       constexpr int kAlign = Dropout::column_align(kBlockN);

@@ -34,7 +34,9 @@ struct SmemTileLayout {
 
 // kNarrow: reads and writes tensors narrower than the tile (a head dim zero-padded on chip,
 // tile_cols); a separate instantiation, so that the others carry no column predicate.
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, typename Element_, bool kNarrow_ = false>
+// kKVStages: K and V buffers in shared memory (FwdMainloop's pipeline depth), 1 or 2.
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, typename Element_, bool kNarrow_ = false,
+          int kKVStages_ = 1>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -43,6 +45,8 @@ struct FwdTraits {
   static constexpr int kNWarps = kNWarps_;
   static constexpr int kNThreads = kNWarps * 32;
   static constexpr bool kNarrow = kNarrow_;
+  static constexpr int kKVStages = kKVStages_;
+  static_assert(kKVStages == 1 || kKVStages == 2);
   // Dropout's keep bits drawn before S is live (Dropout::keep_bits) rather than on P in place:
   // in place spilled 16 B at d = 128 and 60 B at d = 256.
   static constexpr bool kDropoutBitsFirst = kHeadDim >= 128;
@@ -70,8 +74,8 @@ struct FwdTraits {
   using GmemCopyO = decltype(make_tiled_copy(Copy_Atom<UniversalCopy<uint128_t>, Element>{}, GmemThreads{},
                                              Layout<Shape<_1, _8>>{}));
 
-  // Q, then single-buffered K and V; O reuses Q's space in the epilogue.
-  static constexpr int kSmemBytes = int(sizeof(Element)) * (kBlockM + 2 * kBlockN) * kHeadDim;
+  // Q, then kKVStages K buffers and as many V buffers; O reuses Q's space in the epilogue.
+  static constexpr int kSmemBytes = int(sizeof(Element)) * (kBlockM + 2 * kKVStages * kBlockN) * kHeadDim;
 };
 
 }  // namespace cutlass_flash::sm80

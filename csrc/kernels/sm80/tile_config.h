@@ -11,6 +11,7 @@ namespace cutlass_flash::sm80 {
 
 struct FwdTile {
   int block_m, block_n, warps;
+  int kv_stages = 1;  // K and V buffers in shared memory (FwdTraits::kKVStages)
 };
 
 // The forward with every feature (softcap, ALiBi, dropout, packed batches, narrow head dims).
@@ -34,9 +35,14 @@ constexpr FwdTile fwd_tile(int head_dim) {
 // (H100): 64 x 64 with 4 warps, two blocks per SM (2 x 96 KB), so that one block's softmax runs
 // under the other's GEMMs; at 128 x 64 with 8 warps, 17% of warp cycles stalled on the shared-memory
 // queue (MIO throttle) against FA2's 7% (ncu, H200).
+// Up to d = 128, two K and V buffers (48 / 96 KB at d = 64 / 128): with one, the d = 64 kernel's
+// barriers took 20% of its stall samples waiting on the key block's loads (FA2's 128-key blocks
+// give each load twice the work to hide under); two measured +2-4% at d = 64 and d = 128 (H200,
+// PERFLOG.md entry 95). The launcher keeps one where two would cost a block per SM (an A100 at
+// d = 128: 164 KB holds two 64 KB blocks, one 96 KB).
 constexpr FwdTile fwd_plain_tile(int head_dim) {
-  return head_dim <= 64    ? fwd_tile(head_dim)
-         : head_dim <= 128 ? FwdTile{128, 64, 4}
+  return head_dim <= 64    ? FwdTile{128, 64, 4, 2}
+         : head_dim <= 128 ? FwdTile{128, 64, 4, 2}
          : head_dim <= 192 ? fwd_tile(head_dim)
                            : FwdTile{64, 64, 4};
 }
