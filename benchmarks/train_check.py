@@ -4,8 +4,6 @@ within bf16 noise. Used by tests/test_gpu_training.py; run alone it prints both 
 
     python benchmarks/train_check.py
 """
-import math
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F

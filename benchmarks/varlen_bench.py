@@ -195,7 +195,8 @@ def run_dense_comparison(args, causal):
                 dense_tf = work_dense / times[(name, "dense", mode)] / 1e9
                 if (name, "varlen", mode) in times:
                     var_tf = work_varlen / times[(name, "varlen", mode)] / 1e9
-                    lines.append(f"| {hd} | {mode} | {name} | {var_tf:.1f} | {dense_tf:.1f} | {var_tf / dense_tf:.2f}x |")
+                    lines.append(f"| {hd} | {mode} | {name} | {var_tf:.1f} | {dense_tf:.1f} "
+                                 f"| {var_tf / dense_tf:.2f}x |")
                 else:
                     lines.append(f"| {hd} | {mode} | {name} | - | {dense_tf:.1f} | - |")
     bench.write_report("\n".join(lines) + "\n", args.out, f"varlen-{args.tokens}{'-causal' if causal else ''}.md")

@@ -20,7 +20,7 @@ except ImportError as _e:  # pragma: no cover - depends on the build
 
 ENV_FORCE_ARCH = "CUTLASS_FLASH_FORCE_ARCH"
 
-from ._catalog import FAMILIES, HEAD_DIMS, SOFTCAP_ALIBI, VARLEN
+from ._catalog import FAMILIES, HEAD_DIMS, SOFTCAP_ALIBI, VARLEN  # noqa: E402
 
 #: Kernel families: 80 = Ampere-style (FlashAttention-2, mma.sync; runs on sm80 and newer),
 #: 90 = Hopper (wgmma/TMA; runs on sm90 only). From the generator's catalogue (_catalog.py).
@@ -71,7 +71,7 @@ def missing_extension_message():
         "cutlass_flash._C (the compiled CUDA kernels) could not be imported"
         + (f" ({_C_IMPORT_ERROR})" if _C_IMPORT_ERROR is not None else "")
         + ". Build it from the repository root with a CUDA toolkit, e.g. "
-        "`pip install --no-build-isolation -e .` (see README.md, 'Building'), and import "
+        "`pip install --no-build-isolation -e .` (see docs/build.md), and import "
         "cutlass_flash from that checkout or from the installed package."
     )
 
@@ -230,7 +230,7 @@ def _not_built(arch, direction, head_dim, dtype_name, requested):
         f"cutlass_flash: this build has no {direction} kernel for arch={arch} ({how}), "
         f"head_dim={head_dim}, dtype={dtype_name}. Built {direction} kernels for {dtype_name}: "
         f"{have_txt}. Rebuild cutlass_flash with the instantiation included ({knobs}; see "
-        f"README.md), or use another head dim / dtype"
+        f"docs/build.md), or use another head dim / dtype"
         + (" / kernel family (cutlass_flash.force_arch)" if requested else "")
         + "."
     )

@@ -479,7 +479,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             the scaled score of query i and key j gets -slope * |i + seqlen_k - seqlen_q - j|.
         deterministic: the backward accumulates dQ in a fixed order, so gradients are
             bit-identical from run to run (and for a sequence alone or inside a batch); slower
-            (README.md gives the measured cost). dK/dV are deterministic either way.
+            (up to a quarter of the backward's time; docs/design.md). dK/dV are deterministic either way.
         return_lse: also return the log-sum-exp of the scaled scores.
 
     Returns:

@@ -26,7 +26,7 @@ def full_grid(config):
 
 
 SEQLENS = (1, 17, 113, 239, 1023, 1024, 2047, 4097)
-from cutlass_flash._catalog import HEAD_DIMS as INSTANTIATED_HEAD_DIMS
+from cutlass_flash._catalog import HEAD_DIMS as INSTANTIATED_HEAD_DIMS  # noqa: E402
 PADDED_HEAD_DIMS = (40, 72, 200)  # not instantiated: exercise zero-padding
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 LAYOUTS = ("contiguous", "qkvpacked", "kvpacked", "bhsd", "strided")

@@ -32,8 +32,8 @@ def _generator():
         sys.modules[name] = mod
         spec.loader.exec_module(mod)
     return sys.modules[name]
-from cutlass_flash._catalog import DTYPES as DTYPE_NAMES, FAMILIES, FWD_WORKSPACE_ALIGN, FWD_WORKSPACE_BYTES
-from cutlass_flash._catalog import HEAD_DIMS as INSTANTIATED, NARROW_HEAD_DIM, SOFTCAP_ALIBI, VARLEN
+from cutlass_flash._catalog import DTYPES as DTYPE_NAMES, FAMILIES, FWD_WORKSPACE_ALIGN, FWD_WORKSPACE_BYTES  # noqa: E402
+from cutlass_flash._catalog import HEAD_DIMS as INSTANTIATED, NARROW_HEAD_DIM, SOFTCAP_ALIBI, VARLEN  # noqa: E402
 
 
 def all_kernels(archs=tuple(FAMILIES), head_dims=INSTANTIATED, dtypes=DTYPE_NAMES):

@@ -102,7 +102,8 @@ def test_backward_workspace_table():
     # default's memory) and one semaphore per 64 rows, at any number of keys, masked or not.
     assert gen.BWD_DQ_GROUPS == 1
     for head_dim in (64, 128, 256):
-        for seqlen_k, window_right in ((long_k, -1), (long_k - 1, -1), (gen.BWD_DQ_GROUPS_MIN_SEQLEN_K_RIGHT_BOUNDED, 0)):
+        bounded = gen.BWD_DQ_GROUPS_MIN_SEQLEN_K_RIGHT_BOUNDED
+        for seqlen_k, window_right in ((long_k, -1), (long_k - 1, -1), (bounded, 0)):
             det = gen.bwd_workspace_bytes(2, 16, 1000, seqlen_k, head_dim, True, window_right=window_right)
             default = gen.bwd_workspace_bytes(2, 16, 1000, seqlen_k, head_dim, False, window_right=window_right)
             assert det == rows * (head_dim + 2) * 4 + rows // 64 * 4

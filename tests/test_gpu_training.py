@@ -5,7 +5,6 @@ import os
 import sys
 
 import pytest
-import torch
 
 pytestmark = pytest.mark.gpu
 

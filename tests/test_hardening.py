@@ -10,7 +10,6 @@ import torch
 
 import cutlass_flash
 from cutlass_flash import _dispatch, _validate, flash_attn_func, flash_attn_varlen_func
-from cutlass_flash.dropout import keep_mask
 from cutlass_flash.lowlevel import _flash_attn_backward, _flash_attn_forward
 from attn_ref import assert_within_tolerance, reference_outputs, slack
 from gpu_check import skip_unless_auto_built

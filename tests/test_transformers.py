@@ -1,8 +1,9 @@
 """Hugging Face transformers: attn_implementation="cutlass_flash" against transformers' own
 sdpa / eager attention on tiny random-weight models built from its classes (Llama; Mistral with a
 sliding window; Gemma 2 with softcap and alternating sliding layers), for padded batches, packed
-(padding-free) batches, a short training run, and attention dropout in training. On CPU the kernels are the fake binding's float64
-stand-in (the integration's unpad / pad / packing / argument plumbing); on the GPU the kernels."""
+(padding-free) batches, a short training run, and attention dropout in training. On CPU the
+kernels are the fake binding's float64 stand-in (the integration's unpad / pad / packing /
+argument plumbing); on the GPU the kernels."""
 
 import copy
 
