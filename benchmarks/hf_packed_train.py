@@ -3,10 +3,10 @@ attention implementation in turn (one process, one GPU), from the same initial w
 same batches: tokens/s, peak memory and the loss of every step, against cutlass_flash's.
 
 On the GPU machine, from the repository root, with cutlass_flash built in place (as for the GPU
-tests: benchmarks/device_build.sh or device_run.sh) and, for the FlashAttention-3 row, FA3 built
-with its varlen path and put on PYTHONPATH by sourcing benchmarks/device_fa3.sh:
+tests: lab/device_build.sh or device_run.sh) and, for the FlashAttention-3 row, FA3 built
+with its varlen path and put on PYTHONPATH by sourcing lab/device_fa3.sh:
 
-    FLASH_ATTENTION_DISABLE_VARLEN=FALSE FLASH_ATTENTION_DISABLE_FP16=TRUE . benchmarks/device_fa3.sh
+    FLASH_ATTENTION_DISABLE_VARLEN=FALSE FLASH_ATTENTION_DISABLE_FP16=TRUE . lab/device_fa3.sh
     python3 benchmarks/hf_packed_train.py --steps 20
     python3 benchmarks/hf_packed_train.py --steps 20 --mix long32k-short64 --layers 4 --loss-chunk 8192
     python3 benchmarks/hf_packed_train.py --impls cutlass_flash,flash_attention_3 --kv-heads 4
@@ -122,7 +122,7 @@ def make_config(args, max_len):
 
 def register_fa3_local(fa3):
     """transformers uses "flash_attention_3" only where FA3 is pip-installed (the flash-attn-3
-    distribution); benchmarks/device_fa3.sh builds it in place on PYTHONPATH. Then FA3_LOCAL runs
+    distribution); lab/device_fa3.sh builds it in place on PYTHONPATH. Then FA3_LOCAL runs
     transformers' same FlashAttention path with flash_attn_interface's functions (as
     cutlass_flash.integrations.transformers does for ours)."""
     previous = fa_utils._lazy_imports

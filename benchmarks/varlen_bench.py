@@ -20,7 +20,7 @@ bf16, --nheads query heads (16) and --nheads-kv key/value heads (default: as man
 of --head-dims and --causal (both by default), and the forward and forward + backward are timed for
 ours (cutlass_flash.flash_attn_varlen_func) and FlashAttention-3's varlen function where
 `import flash_attn_interface` works and its build has varlen and the head dim (skipped with a note
-otherwise: `FLASH_ATTENTION_DISABLE_VARLEN=FALSE bash benchmarks/device_fa3.sh` builds it with
+otherwise: `FLASH_ATTENTION_DISABLE_VARLEN=FALSE bash lab/device_fa3.sh` builds it with
 varlen); for long32k-short64 also ours dense on the 32k document alone (packed / alone: how much
 the 2000 short documents add to its time). TFLOPS as above, summed over the documents; ours / FA3
 is the ratio of TFLOPS (> 1: ours faster). Timing: CUDA events around batches of back-to-back
@@ -221,7 +221,7 @@ def _fa3_varlen_note(fa3, head_dim):
         return "flash_attn_interface does not import"
     if bench._fa3_build_flags().get("FLASHATTENTION_DISABLE_VARLEN"):
         return ("FA3 built without varlen (FLASH_ATTENTION_DISABLE_VARLEN=FALSE bash "
-                "benchmarks/device_fa3.sh builds it)")
+                "lab/device_fa3.sh builds it)")
     dtypes, head_dims = bench._fa3_built()
     if "bf16" not in dtypes or head_dim not in head_dims:
         return f"FA3 build has no bf16 kernel at head_dim {head_dim} (built: {','.join(map(str, head_dims))})"

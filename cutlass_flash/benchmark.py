@@ -1,5 +1,5 @@
 """Benchmark cutlass_flash against PyTorch SDPA's backends (FlashAttention-2, cuDNN, efficient)
-and, where `import flash_attn_interface` works (benchmarks/device_fa3.sh builds it), FlashAttention-3.
+and, where `import flash_attn_interface` works (lab/device_fa3.sh builds it), FlashAttention-3.
 
     python -m cutlass_flash.benchmark                      # FlashAttention-3 paper grid, bf16
     python -m cutlass_flash.benchmark --arch 80,90         # both kernel families, side by side
@@ -371,7 +371,7 @@ def _fa3_interface():
         import flash_attn_interface
     except Exception as e:  # not built, or its extension does not load
         print(f"note: no FA3 column: import flash_attn_interface failed ({_short(e)}); "
-              "benchmarks/device_fa3.sh builds it", flush=True)
+              "lab/device_fa3.sh builds it", flush=True)
         return None
     return flash_attn_interface
 
@@ -412,7 +412,7 @@ def fa3_info():
     except Exception:
         version = "unknown"
     text = f"flash_attn_3 {version}"
-    # SOURCE.txt (benchmarks/pack_fa3src.sh) sits at the top of the tree that holds hopper/.
+    # SOURCE.txt (lab/pack_fa3src.sh) sits at the top of the tree that holds hopper/.
     source = os.path.join(os.path.dirname(os.path.abspath(fa3.__file__)), os.pardir, "SOURCE.txt")
     try:
         with open(source) as f:

@@ -268,7 +268,7 @@ def test_varlen_deterministic_alone_and_in_batch(arch):
 def test_varlen_bad_cu_seqlens_stay_in_bounds(arch):
     """cu_seqlens past the tensors, decreasing or not starting at 0: the kernels clamp, so the
     call completes without a CUDA error (compute-sanitizer's memcheck would name any stray
-    access: benchmarks/sanitize_small.py)."""
+    access: lab/sanitize_small.py)."""
     q, k, v, dout, cu_q, cu_k = packed((100, 200), (150, 50), 2, 2, _a_built_head_dim(), torch.bfloat16, "cuda")
     for bad in ([0, 100, 100000], [50, 10, 300], [-7, 300, 200]):
         cu = torch.tensor(bad, dtype=torch.int32, device="cuda")

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Packs FlashAttention-3's source (hopper/ of Dao-AILab/flash-attention) and the CUTLASS headers its
 # csrc/cutlass submodule pins into .carry/fa3src.tar.gz (git-ignored: FA3's source is never
-# committed here), for benchmarks/device_fa3.sh to build on the GPU machine:
+# committed here), for lab/device_fa3.sh to build on the GPU machine:
 #
-#   bash benchmarks/pack_fa3src.sh FLASH_ATTENTION_GIT_DIR CUTLASS_GIT_DIR [FA3_COMMIT]
+#   bash lab/pack_fa3src.sh FLASH_ATTENTION_GIT_DIR CUTLASS_GIT_DIR [FA3_COMMIT]
 #
 # Both git dirs may be bare mirrors. Only what hopper/setup.py compiles goes in: no tests,
 # benchmarks, docs or examples; of CUTLASS only include/ (FA3 includes no tools/util headers).

@@ -3,9 +3,9 @@ or with a fifth argument `fa2`, of SDPA's FlashAttention-2 instead) on the bench
 for Nsight Compute:
 
     ncu --kernel-name regex:"bwd_kernel|flash_bwd|FlashAttnBwd" --launch-skip 1 --launch-count 2 \\
-        --section SpeedOfLight --section WarpStateStats python benchmarks/profile_attn.py bwd 256 8192 0
+        --section SpeedOfLight --section WarpStateStats python lab/profile_attn.py bwd 256 8192 0
     ncu --kernel-name regex:"fwd_kernel|FlashAttnFwd" --launch-skip 1 --launch-count 2 \\
-        --section SpeedOfLight python benchmarks/profile_attn.py fwd 128 8192 1
+        --section SpeedOfLight python lab/profile_attn.py fwd 128 8192 1
 
 Arguments: fwd or bwd, head dim, seqlen (batch * seqlen = 16k tokens, nheads * head_dim = 2048),
 causal (0/1). Each implementation runs its forward (or backward) twice (the first call builds

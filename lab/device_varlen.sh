@@ -2,15 +2,15 @@
 # Packed-batch work on the GPU machine, in two calls on one warm machine (FlashAttention-3's build
 # stays in /tmp/fa3 between them):
 #
-#   PHASE=tests OUT=$OUT bash benchmarks/device_varlen.sh   # FA3 with its varlen path built in the
+#   PHASE=tests OUT=$OUT bash lab/device_varlen.sh   # FA3 with its varlen path built in the
 #                                                           # background while the GPU tests and
 #                                                           # compute-sanitizer on packed batches run
-#   PHASE=bench OUT=$OUT bash benchmarks/device_varlen.sh   # varlen_bench's mixes beside FA3's
+#   PHASE=bench OUT=$OUT bash lab/device_varlen.sh   # varlen_bench's mixes beside FA3's
 #                                                           # varlen function, then the dense grid of
 #                                                           # both families against their anchors
 #
 # The kernel library is built on a CPU machine (`python setup.py build_ext --inplace`) and carried
-# with .carry/fa3src.tar.gz (benchmarks/pack_fa3src.sh).
+# with .carry/fa3src.tar.gz (lab/pack_fa3src.sh).
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the scripts under benchmarks/ import the package
@@ -22,13 +22,13 @@ case "${PHASE:-tests}" in
   tests)
     # FA3's varlen function: bf16 only, every head dim the mixes use.
     (FLASH_ATTENTION_DISABLE_VARLEN=FALSE FLASH_ATTENTION_DISABLE_FP16=TRUE OUT=$LOGS \
-      bash benchmarks/device_fa3.sh >"$LOGS/fa3.txt" 2>&1) &
+      bash lab/device_fa3.sh >"$LOGS/fa3.txt" 2>&1) &
     fa3=$!
     start=$(date +%s)
     # The packed-batch tests first (their own log), then the rest of the GPU suite.
     packed="tests/test_varlen_isolation.py tests/test_seqused.py tests/test_varlen.py tests/test_lowlevel.py"
     OUT=$LOGS SKIP_BENCH=1 TEST_TIMEOUT=${PACKED_TIMEOUT:-330} PYTEST_ARGS="-m gpu $packed ${PYTEST_EXTRA:-}" \
-      bash benchmarks/device_run.sh
+      bash lab/device_run.sh
     cp "$LOGS/tests.log" "$LOGS/tests_packed.log"
     echo "packed-batch GPU tests: $(( $(date +%s) - start )) s"
     start=$(date +%s)
@@ -37,7 +37,7 @@ case "${PHASE:-tests}" in
     echo "other GPU tests (rc $?): $(( $(date +%s) - start )) s"
     tail -15 "$LOGS/tests_rest.log"
     for args in "90 64,128,192,256 varlen" "80 64,128 varlen" "90 128,192 det"; do
-      timeout 120 compute-sanitizer --tool memcheck python3 benchmarks/sanitize_small.py $args \
+      timeout 120 compute-sanitizer --tool memcheck python3 lab/sanitize_small.py $args \
         >"$LOGS/memcheck-${args// /-}.log" 2>&1
       echo "memcheck $args: rc $? $(grep -c 'Invalid\|ERROR SUMMARY: [1-9]' "$LOGS/memcheck-${args// /-}.log") error lines"
       tail -1 "$LOGS/memcheck-${args// /-}.log"

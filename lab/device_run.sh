@@ -2,7 +2,7 @@
 # One call on the GPU machine: build the pybind11 module for its Python against the carried kernel
 # library, run the GPU tests, run the benchmark; logs and tables go to $OUT.
 #
-#   OUT=/tmp/out PYTEST_ARGS="-k fwd" BENCH_ARGS="--head-dims 128" bash benchmarks/device_run.sh
+#   OUT=/tmp/out PYTEST_ARGS="-k fwd" BENCH_ARGS="--head-dims 128" bash lab/device_run.sh
 #
 # The kernel library (cutlass_flash/libcutlass_flash_kernels.so) is built on a CPU machine with
 # `python setup.py build_ext --inplace` and carried; see README.md.

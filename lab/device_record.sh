@@ -2,15 +2,15 @@
 # A record run on the GPU machine in two phases, each under the device tool's 10 minutes a call,
 # on one warm machine (FlashAttention-3's build stays in /tmp/fa3 between them):
 #
-#   PHASE=tests OUT=$OUT bash benchmarks/device_record.sh   # FA3 built in the background while
+#   PHASE=tests OUT=$OUT bash lab/device_record.sh   # FA3 built in the background while
 #                                                           # the GPU tests run: the default set,
 #                                                           # then the full grid's accuracy cases
-#   PHASE=bench OUT=$OUT bash benchmarks/device_record.sh   # the benchmark with FA3's column
+#   PHASE=bench OUT=$OUT bash lab/device_record.sh   # the benchmark with FA3's column
 #   PHASE=bench BASE_LIB=.carry/base/libcutlass_flash_kernels.so ...  # and an A/B against BASE_LIB
 #
 # The kernel library is built here beforehand (`python setup.py build_ext --inplace`) and carried
 # (cutlass_flash/libcutlass_flash_kernels.so); only the pybind11 module is built on the machine
-# (benchmarks/device_run.sh). Logs other than the tables go into one tarball, so that the tables
+# (lab/device_run.sh). Logs other than the tables go into one tarball, so that the tables
 # fit the device tool's 8 returned files.
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
@@ -24,10 +24,10 @@ RECORD=${RECORD:---arch 90,80 --head-dims 64,96,128,192,256 --seqlens 1024,2048,
 
 case "${PHASE:-tests}" in
   tests)
-    (OUT=$LOGS bash benchmarks/device_fa3.sh >"$LOGS/fa3.txt" 2>&1) &
+    (OUT=$LOGS bash lab/device_fa3.sh >"$LOGS/fa3.txt" 2>&1) &
     fa3=$!
     start=$(date +%s)
-    OUT=$LOGS SKIP_BENCH=1 TEST_TIMEOUT=${TEST_TIMEOUT:-240} PYTEST_ARGS="-m gpu" bash benchmarks/device_run.sh
+    OUT=$LOGS SKIP_BENCH=1 TEST_TIMEOUT=${TEST_TIMEOUT:-240} PYTEST_ARGS="-m gpu" bash lab/device_run.sh
     echo "default GPU tests: $(( $(date +%s) - start )) s"
     # The full grid's accuracy cases per family, the sm90 one first (FULL_TIMEOUT seconds each).
     for family in sm90 sm80; do

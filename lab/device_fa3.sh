@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Builds FlashAttention-3 (hopper/ of Dao-AILab/flash-attention) on the GPU machine for the
-# benchmark's fa3 column, from .carry/fa3src.tar.gz (made by benchmarks/pack_fa3src.sh; FA3's
+# benchmark's fa3 column, from .carry/fa3src.tar.gz (made by lab/pack_fa3src.sh; FA3's
 # source is never committed here). No network: nothing is downloaded, nothing is pip-installed.
 #
-#   OUT=$OUT bash benchmarks/device_fa3.sh & fa3=$!      # in the background, beside our build
+#   OUT=$OUT bash lab/device_fa3.sh & fa3=$!      # in the background, beside our build
 #   ...; wait $fa3 && export PYTHONPATH=/tmp/fa3/hopper${PYTHONPATH:+:$PYTHONPATH}
-#   . benchmarks/device_fa3.sh                           # or in the foreground: sets PYTHONPATH
+#   . lab/device_fa3.sh                           # or in the foreground: sets PYTHONPATH
 #
 # Builds only what flash_attn_interface.flash_attn_func(q, k, v, causal=...) needs on dense
 # batches, forward and backward: sm90, bf16/fp16, head dims 64/128/256 (12 kernel files). Any

@@ -2,9 +2,9 @@
 (or, with --peer fa2, SDPA's FlashAttention-2): where a whole-call gap comes from (main kernel,
 preprocess, dQ conversion, memsets).
 
-    python benchmarks/kernel_times.py --mode fwdbwd --head-dims 128 --seqlens 1024,2048,8192
-    python benchmarks/kernel_times.py --mode varlen-fwd --head-dims 128
-    CUTLASS_FLASH_FORCE_ARCH=80 python benchmarks/kernel_times.py --peer fa2 --seqlens 1024
+    python lab/kernel_times.py --mode fwdbwd --head-dims 128 --seqlens 1024,2048,8192
+    python lab/kernel_times.py --mode varlen-fwd --head-dims 128
+    CUTLASS_FLASH_FORCE_ARCH=80 python lab/kernel_times.py --peer fa2 --seqlens 1024
 
 fwdbwd: dense batch x seqlen = --tokens, nheads x head_dim = --hidden, forward + backward; each
 kernel's mean time over --iters calls. varlen-fwd: the forward on --tokens packed from documents
@@ -13,6 +13,7 @@ shortest first, and on equal documents of the mean length, against the dense op 
 if the equal documents match the dense op and the orders differ, the varlen gap is the tail.
 """
 import argparse
+import os
 import sys
 
 import torch
@@ -20,7 +21,7 @@ import torch
 import cutlass_flash
 from cutlass_flash import benchmark as bench
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 import varlen_bench  # noqa: E402
 
 

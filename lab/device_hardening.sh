@@ -2,17 +2,17 @@
 # Issue 31 (every call a right answer or a clear error) on a 4-GPU machine, in two calls on one warm
 # machine (FlashAttention-3's build stays in /tmp/fa3 between them):
 #
-#   PHASE=tests OUT=$OUT bash benchmarks/device_hardening.sh   # FA3 built in the background; the
+#   PHASE=tests OUT=$OUT bash lab/device_hardening.sh   # FA3 built in the background; the
 #                        # GPU suite in 4 shards, one per GPU (strict), memcheck, the memory probe
-#   PHASE=bench OUT=$OUT BASE_TREE=.carry/basetree bash benchmarks/device_hardening.sh
+#   PHASE=bench OUT=$OUT BASE_TREE=.carry/basetree bash lab/device_hardening.sh
 #                        # GPU 0: the dense A/B of both families against the base commit beside
 #                        # FA3 / cuDNN / FA2; GPU 1: the deterministic cost, ours and FA3's
-#   PHASE=sm80 OUT=$OUT BASE_TREE=.carry/basetree bash benchmarks/device_hardening.sh
+#   PHASE=sm80 OUT=$OUT BASE_TREE=.carry/basetree bash lab/device_hardening.sh
 #                        # one GPU: the sm80 family on narrow head dims (tests, memcheck, memory,
 #                        # A/B against the base beside FA2)
 #
 # The kernel library is built on a CPU machine (`python setup.py build_ext --inplace`) and
-# carried with .carry/fa3src.tar.gz (benchmarks/pack_fa3src.sh) and the base tree.
+# carried with .carry/fa3src.tar.gz (lab/pack_fa3src.sh) and the base tree.
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -34,7 +34,7 @@ shard() {  # shard GPU NAME TESTS...: the GPU tests of TESTS on one GPU, strict
 
 case "${PHASE:-tests}" in
   tests)
-    (OUT=$LOGS bash benchmarks/device_fa3.sh >"$LOGS/fa3.txt" 2>&1) &
+    (OUT=$LOGS bash lab/device_fa3.sh >"$LOGS/fa3.txt" 2>&1) &
     {
       nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv
       python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version())"
@@ -49,7 +49,7 @@ case "${PHASE:-tests}" in
       # column-checked stores, the preprocess), dense, packed and deterministic (the closed-form
       # turns); the sm80 family's padded copies.
       for args in "90 80,112,200" "90 80,200 varlen" "90 64,128,256 det" "80 80,128 det"; do
-        CUDA_VISIBLE_DEVICES=3 timeout 100 compute-sanitizer --tool memcheck python3 benchmarks/sanitize_small.py $args \
+        CUDA_VISIBLE_DEVICES=3 timeout 100 compute-sanitizer --tool memcheck python3 lab/sanitize_small.py $args \
           >"$LOGS/memcheck-${args// /-}.log" 2>&1
         echo "memcheck $args: rc $?, $(grep 'ERROR SUMMARY' "$LOGS/memcheck-${args// /-}.log" | tail -1)"
       done
@@ -68,7 +68,7 @@ case "${PHASE:-tests}" in
     echo "sm80-forced GPU tests (rc $?): $(tail -1 "$LOGS/tests-sm80.log")"
     grep -E "^(FAILED|ERROR)" "$LOGS/tests-sm80.log" | head -20
     for args in "80 80,112,200" "80 80,200 varlen" "80 80,200 det"; do
-      timeout 100 compute-sanitizer --tool memcheck python3 benchmarks/sanitize_small.py $args \
+      timeout 100 compute-sanitizer --tool memcheck python3 lab/sanitize_small.py $args \
         >"$LOGS/memcheck-${args// /-}.log" 2>&1
       echo "memcheck $args: rc $?, $(grep 'ERROR SUMMARY' "$LOGS/memcheck-${args// /-}.log" | tail -1)"
     done

@@ -4,7 +4,7 @@
 # (BASE_LIB or BASE_TREE, below: new, base, new rounds, both families beside SDPA's backends),
 # then TESTS.
 #
-#   BASE_TREE=.carry/basetree TESTS="tests/test_varlen_isolation.py" OUT=$OUT bash benchmarks/device_ab.sh
+#   BASE_TREE=.carry/basetree TESTS="tests/test_varlen_isolation.py" OUT=$OUT bash lab/device_ab.sh
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -17,7 +17,7 @@ lib=cutlass_flash/libcutlass_flash_kernels.so
 cp "$lib" /tmp/lib_new.so
 timeout 120 python3 -m pytest -q -m gpu tests/test_lowlevel.py -p no:cacheprovider 2>&1 | tail -2
 for args in "90 64,128,192,256 varlen" "80 64,128 varlen" "90 128,192 det" "90 64,256"; do
-  timeout 120 compute-sanitizer --tool memcheck python3 benchmarks/sanitize_small.py $args >"$LOGS/memcheck-${args// /_}.log" 2>&1
+  timeout 120 compute-sanitizer --tool memcheck python3 lab/sanitize_small.py $args >"$LOGS/memcheck-${args// /_}.log" 2>&1
   echo "memcheck $args: rc $?, $(grep 'ERROR SUMMARY' "$LOGS/memcheck-${args// /_}.log")"
 done
 # BASE_LIB: a library with the same C API as this checkout's binding; BASE_TREE: another commit's

@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # A/B of kernel variants in one call on the GPU machine: each variant is this checkout with one
-# patch of benchmarks/variants/ applied; all are built side by side (restricted knobs, in
+# patch of lab/variants/ applied; all are built side by side (restricted knobs, in
 # parallel), then each runs the GPU tests and the benchmark, in turn, twice (the order ABC ABC, so
 # clock drift shows as a difference between rounds, not between variants).
 #
-#   OUT=$OUT VARIANTS="base dv-early downward-walk" bash benchmarks/device_variants.sh
+#   OUT=$OUT VARIANTS="base dv-early downward-walk" bash lab/device_variants.sh
 #
-# "base" is the checkout as it is; NAME is benchmarks/variants/NAME.patch; A+B applies both. Knobs: DIMS (head dims, default 64,128), DTYPES (bf16),
+# "base" is the checkout as it is; NAME is lab/variants/NAME.patch; A+B applies both. Knobs: DIMS (head dims, default 64,128), DTYPES (bf16),
 # ARCHS (90), TESTS (pytest arguments, default: every GPU test of the restricted build), BENCH
 # (extra benchmark arguments, default: backward, 2k and 8k tokens, causal and not, against
 # cuDNN), PHASES (default "build run": a call of 600 s holds about 3 builds, or 3 variants' tests
 # and timings, so "build" and "run" can go in two calls on the same warm machine). Returns one
-# CSV per variant (bench_NAME.csv, both rounds, a `round` column) and the logs of failed builds. Needs the nvidia-cutlass wheel under .carry/ (see benchmarks/device_build.sh).
+# CSV per variant (bench_NAME.csv, both rounds, a `round` column) and the logs of failed builds. Needs the nvidia-cutlass wheel under .carry/ (see lab/device_build.sh).
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/cutlass_flash_out}
@@ -21,7 +21,7 @@ BENCH=${BENCH:---modes bwd --seqlens 2048,8192 --impls ours,sdpa-cudnn --rounds 
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/nvidia_cutlass-*.whl || exit 1
 export PYTHONPATH=/tmp/site
-# FlashAttention-3, where benchmarks/device_fa3.sh built it earlier on this machine (an fa3 column).
+# FlashAttention-3, where lab/device_fa3.sh built it earlier on this machine (an fa3 column).
 if [ -d /tmp/fa3/hopper ]; then export PYTHONPATH=/tmp/fa3/hopper:$PYTHONPATH; fi
 PHASES=${PHASES:-build run}
 root=$(pwd)
@@ -31,7 +31,7 @@ for v in $VARIANTS; do
   rm -rf "/tmp/v$v" && mkdir -p "/tmp/v$v"
   tar -C "$root" --exclude=./build --exclude=./.carry -cf - . | tar -C "/tmp/v$v" -xf -
   if [ "$v" != base ]; then
-    for part in ${v//+/ }; do (cd "/tmp/v$v" && patch -s -p1 < "$root/benchmarks/variants/$part.patch") || exit 1; done
+    for part in ${v//+/ }; do (cd "/tmp/v$v" && patch -s -p1 < "$root/lab/variants/$part.patch") || exit 1; done
   fi
   # The build log comes back only when the build fails (the device tool returns 8 files a call).
   (cd "/tmp/v$v" && CUTLASS_FLASH_ARCHS=$ARCHS CUTLASS_FLASH_HEAD_DIMS=$DIMS CUTLASS_FLASH_DTYPES=$DTYPES \

@@ -3,10 +3,10 @@
 # instantiation) from the carried nvidia-cutlass wheel, so a device call needs no library built
 # elsewhere:
 #
-#   OUT=$OUT bash benchmarks/device_build.sh && python3 -m pytest -q tests ...
+#   OUT=$OUT bash lab/device_build.sh && python3 -m pytest -q tests ...
 #
 # Expects the wheel under .carry/ (pip download --no-deps nvidia-cutlass==<pinned> -d .carry) and
-# must be sourced (`. benchmarks/device_build.sh`) for PYTHONPATH to reach later commands. Writes
+# must be sourced (`. lab/device_build.sh`) for PYTHONPATH to reach later commands. Writes
 # the GPU and versions to $OUT/env.txt and the build log (ptxas report per file) to $OUT/build.log.
 set -u
 export PYTHONUNBUFFERED=1

@@ -5,7 +5,7 @@
 //
 //   nvcc -std=c++17 -O3 --use_fast_math --expt-relaxed-constexpr -DNDEBUG -DTUNE_HEAD_DIM=128 \
 //        -gencode arch=compute_90a,code=sm_90a -Icsrc -Icsrc/include -I<cutlass>/include \
-//        benchmarks/tune_sm90.cu -o tune128 && ./tune128
+//        lab/tune_sm90.cu -o tune128 && ./tune128
 //
 // -DTUNE_FP16 times fp16 instead; -DTUNE_FEATURES=NoDropout the kernel without dropout's path (the
 // plain kernel of a head dim with a dropout kernel of its own, FwdTraits::kDropoutKernel).

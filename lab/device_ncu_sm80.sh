@@ -11,7 +11,7 @@ for cfg in "fwd 64 4096 0" "fwd 128 4096 0" "fwd 256 4096 0" "bwd 64 4096 0" "bw
   if [ $1 = fwd ]; then re="fwd_kernel|flash_fwd_kernel"; n=3; else re="bwd_kernel|flash_bwd_dq_dk_dv_loop"; n=2; fi
   CUTLASS_FLASH_FORCE_ARCH=80 timeout 150 ncu --kernel-name regex:"$re" \
     --launch-skip 1 --launch-count $n --metrics "$M" --print-metric-instances values \
-    python3 benchmarks/profile_attn.py $cfg fa2 > $OUT/n/ncu-$1-$2-$3-$4.txt 2>&1
+    python3 lab/profile_attn.py $cfg fa2 > $OUT/n/ncu-$1-$2-$3-$4.txt 2>&1
   echo "$cfg rc $?"
 done
 tar -C $OUT -czf $OUT/ncu.tar.gz n && rm -rf $OUT/n

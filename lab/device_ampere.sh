@@ -3,11 +3,11 @@
 # and issue 31's row 12 on the sm80 family, on a 4-GPU machine in two calls on one warm machine
 # (FlashAttention-3's build stays in /tmp/fa3 between them):
 #
-#   PHASE=tests OUT=$OUT bash benchmarks/device_ampere.sh
+#   PHASE=tests OUT=$OUT bash lab/device_ampere.sh
 #       FA3 built in the background; strict GPU tests in 4 shards, one per GPU: the default suite
 #       (sm90 family on this GPU), and the sm80 family forced on the accuracy grid, the features,
 #       the hardening rows and packed batches; memcheck of the sm80 narrow-head-dim kernels
-#   PHASE=bench OUT=$OUT BASE_TREE=.carry/prevtree [VAR_LIB=lib.so] bash benchmarks/device_ampere.sh
+#   PHASE=bench OUT=$OUT BASE_TREE=.carry/prevtree [VAR_LIB=lib.so] bash lab/device_ampere.sh
 #       GPU 0 / 1: the sm80 family against SDPA's FlashAttention-2, bf16 / fp16, forward, backward
 #       and both, d = 64 / 128 / 256, 1k-16k, causal and not (then the same with VAR_LIB); GPU 2: the sm80 A/B against
 #       BASE_TREE's library beside FA2, then ncu's warp stall reasons of the plain d = 64 forward
@@ -15,7 +15,7 @@
 #       cuDNN. VAR_GRID80 / VAR_DTYPES: the VAR_LIB grid's arguments and dtypes where they differ.
 #
 # The kernel library is built on a CPU machine (`python setup.py build_ext --inplace`) and
-# carried with .carry/fa3src.tar.gz (benchmarks/pack_fa3src.sh) and the base tree (a package of
+# carried with .carry/fa3src.tar.gz (lab/pack_fa3src.sh) and the base tree (a package of
 # the base commit with its library).
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
@@ -42,7 +42,7 @@ shard() {  # shard GPU NAME ARCH TESTS...: the GPU tests of TESTS on one GPU, st
 
 case "${PHASE:-tests}" in
   tests)
-    (OUT=$LOGS bash benchmarks/device_fa3.sh >"$LOGS/fa3.txt" 2>&1) &
+    (OUT=$LOGS bash lab/device_fa3.sh >"$LOGS/fa3.txt" 2>&1) &
     {
       nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv
       python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version())"
@@ -59,7 +59,7 @@ case "${PHASE:-tests}" in
       # memcheck: the sm80 kernels of narrow head dims (column-predicated loads and stores), dense,
       # packed and deterministic, and the plain ones.
       for args in "80 80,112,200" "80 80,200 varlen" "80 80,200 det" "80 64,128,256"; do
-        CUDA_VISIBLE_DEVICES=$(gpu 3) timeout 100 compute-sanitizer --tool memcheck python3 benchmarks/sanitize_small.py $args \
+        CUDA_VISIBLE_DEVICES=$(gpu 3) timeout 100 compute-sanitizer --tool memcheck python3 lab/sanitize_small.py $args \
           >"$LOGS/memcheck-${args// /-}.log" 2>&1
         echo "memcheck $args: rc $?, $(grep 'ERROR SUMMARY' "$LOGS/memcheck-${args// /-}.log" | tail -1)"
       done
@@ -92,7 +92,7 @@ case "${PHASE:-tests}" in
     # FA3 for the sm90 A/B, built niced beside the sm80 runs where an earlier call left none.
     fa3=""
     if [ -z "${FA3_PATH:-}" ] && [ -f .carry/fa3src.tar.gz ]; then
-      (OUT=$LOGS nice -n 19 bash benchmarks/device_fa3.sh >"$LOGS/fa3.txt" 2>&1) &
+      (OUT=$LOGS nice -n 19 bash lab/device_fa3.sh >"$LOGS/fa3.txt" 2>&1) &
       fa3=$!
     fi
     GRID80=${GRID80:---head-dims 64,128,256 --seqlens 1024,2048,4096,8192,16384 --rounds 3 --budget-ms 40}
@@ -134,7 +134,7 @@ case "${PHASE:-tests}" in
         (cd "$dir" && CUDA_VISIBLE_DEVICES=$(gpu 2) PYTHONPATH=$dir CUTLASS_FLASH_FORCE_ARCH=80 timeout 120 \
           ncu --kernel-name regex:fwd_kernel --launch-skip 1 --launch-count 1 --section SpeedOfLight \
           --section WarpStateStats --section LaunchStats --section Occupancy \
-          python3 "$root/benchmarks/profile_attn.py" fwd 64 8192 0) >"$LOGS/ncu-sm80-fwd64-$round.txt" 2>&1
+          python3 "$root/lab/profile_attn.py" fwd 64 8192 0) >"$LOGS/ncu-sm80-fwd64-$round.txt" 2>&1
         echo "ncu $round: rc $?"
       done
     }

@@ -1,7 +1,7 @@
 """A small forward + backward per built head dim, causal and not, for compute-sanitizer:
 
-    compute-sanitizer --tool memcheck  python benchmarks/sanitize_small.py
-    compute-sanitizer --tool racecheck python benchmarks/sanitize_small.py
+    compute-sanitizer --tool memcheck  python lab/sanitize_small.py
+    compute-sanitizer --tool racecheck python lab/sanitize_small.py
 
 Sizes are awkward on purpose (partial query and key blocks, seqlen_q != seqlen_k both ways, GQA).
 The second shape has more query tiles (4 x 4 x 9 = 144 at 128 rows) than an H100/H200 has SMs, so
