@@ -138,14 +138,14 @@ struct BwdMainloop {
       auto thr = gmem_copy.get_thread_slice(t);
       Tensor tcoord = thr.partition_S(make_identity_tensor(shape(g_tile)));
       Tensor dst = thr.partition_D(s_tile);
-      copy_rows(gmem_copy, thr.partition_S(g_tile), dst, tcoord, rows, tile_cols<Traits::kNarrow>(p));  // p: constant memory
+      copy_rows(gmem_copy, thr.partition_S(g_tile), dst, tcoord, FirstOf{rows}, tile_cols<Traits::kNarrow>(p));  // p: constant memory
     };
-    // A query block below the last one: every row exists (copy_full_rows).
+    // A query block below the last one: every row exists (AllOf).
     auto load_full_tile = [&](const auto& g_tile, auto& s_tile, int t) {
       auto thr = gmem_copy.get_thread_slice(t);
       Tensor tcoord = thr.partition_S(make_identity_tensor(shape(g_tile)));
       Tensor dst = thr.partition_D(s_tile);
-      copy_full_rows(gmem_copy, thr.partition_S(g_tile), dst, tcoord, tile_cols<Traits::kNarrow>(p));
+      copy_rows(gmem_copy, thr.partition_S(g_tile), dst, tcoord, AllOf{}, tile_cols<Traits::kNarrow>(p));
     };
 
     // S = Q K^T and dP = dO V^T.

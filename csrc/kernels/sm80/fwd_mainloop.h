@@ -27,7 +27,7 @@ struct FwdMainloop {
   using Features = Features_;
   using Score = ScorePolicy<Features>;
   // The plain kernels overlap the rows' softmax work (OnlineSoftmax's kRowsTogether) and load the
-  // key blocks after the first without row predicates (copy_full_rows). The kernels with the
+  // key blocks after the first without row predicates (copy_rows with AllOf). The kernels with the
   // features keep both as they were: with the unpredicated loads their forward measured 3-7%
   // slower at d = 64 (5-9% faster at d = 128, 1% slower at d = 256; H200, PERFLOG.md entry 94).
   static constexpr bool kPlain = std::is_same_v<Features, PlainScores>;
@@ -82,9 +82,9 @@ struct FwdMainloop {
 
     const int seqlen_k = mask.seqlen_k;
     const auto cols = tile_cols<Traits::kNarrow>(p);  // p: constant memory
-    copy_rows(gmem_copy, tQgQ, tQsQ, tQcQ, mask.seqlen_q - m_block * kBlockM, cols);
+    copy_rows(gmem_copy, tQgQ, tQsQ, tQcQ, FirstOf{mask.seqlen_q - m_block * kBlockM}, cols);
     int n = n_max - 1;
-    copy_rows(gmem_copy, tKgK(_, _, _, n), tKsK, tKVcKV, seqlen_k - n * kBlockN, cols);
+    copy_rows(gmem_copy, tKgK(_, _, _, n), tKsK, tKVcKV, FirstOf{seqlen_k - n * kBlockN}, cols);
     cp_async_fence();
 
     Tensor o_rc = rowcol_view(acc_o);
@@ -94,7 +94,7 @@ struct FwdMainloop {
       // O GEMM, its V during block n's softmax and O GEMM and its own S GEMM.
       static_assert(kPlain, "two stages: the plain kernels (no dropout bits, full-row loads)");
       constexpr int kBuffer = kBlockN * kHeadDim;  // elements of one K or V buffer
-      copy_rows(gmem_copy, tVgV(_, _, _, n), tVsV, tKVcKV, seqlen_k - n * kBlockN, cols);
+      copy_rows(gmem_copy, tVgV(_, _, _, n), tVsV, tKVcKV, FirstOf{seqlen_k - n * kBlockN}, cols);
       cp_async_fence();
       auto at = [](const auto& t, int offset) { return make_tensor(t.data() + offset, t.layout()); };
       for (int stage = 0; n >= n_min; --n, stage ^= 1) {
@@ -105,7 +105,7 @@ struct FwdMainloop {
         __syncthreads();     // K(n) visible to all; every warp done with block n + 1's buffers
         if (n > n_min) {
           Tensor dst = at(tKsK, there);
-          copy_full_rows(gmem_copy, tKgK(_, _, _, n - 1), dst, tKVcKV, cols);
+          copy_rows(gmem_copy, tKgK(_, _, _, n - 1), dst, tKVcKV, AllOf{}, cols);
         }
         cp_async_fence();  // an empty group at the last block keeps the wait counts uniform
 
@@ -117,7 +117,7 @@ struct FwdMainloop {
         __syncthreads();     // V(n) visible to all
         if (n > n_min) {
           Tensor dst = at(tVsV, there);
-          copy_full_rows(gmem_copy, tVgV(_, _, _, n - 1), dst, tKVcKV, cols);
+          copy_rows(gmem_copy, tVgV(_, _, _, n - 1), dst, tKVcKV, AllOf{}, cols);
         }
         cp_async_fence();
 
@@ -144,9 +144,9 @@ struct FwdMainloop {
       cp_async_wait<0>();
       __syncthreads();  // K(n) visible to all; every warp finished reading V(n+1)
       if (!kPlain || first)  // the last key block, which may end past the keys
-        copy_rows(gmem_copy, tVgV(_, _, _, n), tVsV, tKVcKV, seqlen_k - n * kBlockN, cols);
+        copy_rows(gmem_copy, tVgV(_, _, _, n), tVsV, tKVcKV, FirstOf{seqlen_k - n * kBlockN}, cols);
       else
-        copy_full_rows(gmem_copy, tVgV(_, _, _, n), tVsV, tKVcKV, cols);
+        copy_rows(gmem_copy, tVgV(_, _, _, n), tVsV, tKVcKV, AllOf{}, cols);
       cp_async_fence();
 
       gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, copy_q, copy_k, thr_copy_q, thr_copy_k);
@@ -157,9 +157,9 @@ struct FwdMainloop {
       __syncthreads();  // V(n) visible to all; every warp finished reading K(n)
       if (n > n_min) {
         if constexpr (kPlain)
-          copy_full_rows(gmem_copy, tKgK(_, _, _, n - 1), tKsK, tKVcKV, cols);
+          copy_rows(gmem_copy, tKgK(_, _, _, n - 1), tKsK, tKVcKV, AllOf{}, cols);
         else
-          copy_rows(gmem_copy, tKgK(_, _, _, n - 1), tKsK, tKVcKV, seqlen_k - (n - 1) * kBlockN, cols);
+          copy_rows(gmem_copy, tKgK(_, _, _, n - 1), tKsK, tKVcKV, FirstOf{seqlen_k - (n - 1) * kBlockN}, cols);
         cp_async_fence();
       }
 

@@ -71,75 +71,57 @@ __device__ __forceinline__ void gemm_rs(TensorAcc& acc, const TensorRA& rA, Tens
   }
 }
 
-// The columns of a (rows, head_dim) tile that exist in memory: all of them (AllCols: tensors as
-// wide as the tile), or the first n (FirstCols: a narrow head dim read in place,
-// AttnProblem::cols, a multiple of 8). Only the kernels built for narrow tensors
-// (Traits::kNarrow) predicate by column: predicates in every kernel cost the plain calls 3% (15% at
-// d = 256, forward) on an H100 (PERFLOG.md entry 92).
-struct AllCols {
+// The rows or columns of a (rows, head_dim) tile that exist in memory: all of them (AllOf), or
+// the first n (FirstOf). Columns: a narrow head dim read in place (AttnProblem::cols, a multiple of
+// 8); only the kernels built for narrow tensors (Traits::kNarrow) predicate by column: predicates
+// in every kernel cost the plain calls 3% (15% at d = 256, forward) on an H100 (PERFLOG.md entry
+// 92). Rows: a block that ends past the sequence; the mainloops walk their key (query) blocks from
+// the last down, so only the first block they load can, and the loads inside the loop take AllOf
+// (the d = 128 backward's loop had a branch per copied row, 16 per query block).
+struct AllOf {
   static constexpr bool kAll = true;
   __device__ bool has(int) const { return true; }
 };
-struct FirstCols {
+struct FirstOf {
   static constexpr bool kAll = false;
   int n;
-  __device__ bool has(int col) const { return col < n; }
+  __device__ bool has(int i) const { return i < n; }
 };
 template <bool kNarrow>
 __device__ __forceinline__ auto tile_cols(const AttnProblem& p) {
   if constexpr (kNarrow)
-    return FirstCols{p.cols()};
+    return FirstOf{p.cols()};
   else
-    return AllCols{};
+    return AllOf{};
 }
 
 // Global -> shared copy of a (rows, head_dim) tile, partitioned by a cp.async tiled copy:
-// (CPY, CPY_M, CPY_K). Rows at or past `max_rows` and the columns not in `cols` are zero-filled
-// in shared memory instead of read, so a partial tile never reads out of bounds and never feeds
+// (CPY, CPY_M, CPY_K). The rows not in `rows` and the columns not in `cols` are zero-filled in
+// shared memory instead of read, so a partial tile never reads out of bounds and never feeds
 // garbage (possibly NaN) into the next GEMM (zero columns add nothing to it). Each copy moves 8
 // columns.
-template <typename TiledCopy, typename TensorG, typename TensorS, typename TensorC, typename Cols = AllCols>
+template <typename TiledCopy, typename TensorG, typename TensorS, typename TensorC, typename Rows, typename Cols = AllOf>
 __device__ __forceinline__ void copy_rows(const TiledCopy& tiled_copy, const TensorG& src, TensorS& dst,
-                                          const TensorC& coords, int max_rows, Cols cols = {}) {
-  CUTE_UNROLL
-  for (int m = 0; m < size<1>(src); ++m) {
-    if constexpr (Cols::kAll) {
-      if (get<0>(coords(0, m, 0)) < max_rows) {
-        copy(tiled_copy, src(_, m, _), dst(_, m, _));
-      } else {
-        clear(dst(_, m, _));
-      }
-    } else {
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(src); ++k) {
-        if (get<0>(coords(0, m, k)) < max_rows && cols.has(get<1>(coords(0, m, k)))) {
-          copy(tiled_copy, src(_, m, k), dst(_, m, k));
-        } else {
-          clear(dst(_, m, k));
-        }
-      }
-    }
-  }
-}
-
-// copy_rows for a tile whose rows all exist: no row predicate. The mainloops walk their key (query)
-// blocks from the last down, so only the first block they load can end past the sequence; the
-// loads inside the loop take this one (the d = 128 backward's loop had a branch per copied row,
-// 16 per query block).
-template <typename TiledCopy, typename TensorG, typename TensorS, typename TensorC, typename Cols = AllCols>
-__device__ __forceinline__ void copy_full_rows(const TiledCopy& tiled_copy, const TensorG& src, TensorS& dst,
-                                               const TensorC& coords, Cols cols = {}) {
-  if constexpr (Cols::kAll) {
+                                          const TensorC& coords, Rows rows, Cols cols = {}) {
+  if constexpr (Rows::kAll && Cols::kAll) {
     copy(tiled_copy, src, dst);
   } else {
     CUTE_UNROLL
     for (int m = 0; m < size<1>(src); ++m) {
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(src); ++k) {
-        if (cols.has(get<1>(coords(0, m, k)))) {
-          copy(tiled_copy, src(_, m, k), dst(_, m, k));
+      if constexpr (Cols::kAll) {
+        if (rows.has(get<0>(coords(0, m, 0)))) {
+          copy(tiled_copy, src(_, m, _), dst(_, m, _));
         } else {
-          clear(dst(_, m, k));
+          clear(dst(_, m, _));
+        }
+      } else {
+        CUTE_UNROLL
+        for (int k = 0; k < size<2>(src); ++k) {
+          if (rows.has(get<0>(coords(0, m, k))) && cols.has(get<1>(coords(0, m, k)))) {
+            copy(tiled_copy, src(_, m, k), dst(_, m, k));
+          } else {
+            clear(dst(_, m, k));
+          }
         }
       }
     }
@@ -148,7 +130,7 @@ __device__ __forceinline__ void copy_full_rows(const TiledCopy& tiled_copy, cons
 
 // Shared -> global copy of a (rows, head_dim) tile, skipping rows at or past `max_rows` and the
 // columns not in `cols`.
-template <typename TiledCopy, typename TensorS, typename TensorG, typename TensorC, typename Cols = AllCols>
+template <typename TiledCopy, typename TensorS, typename TensorG, typename TensorC, typename Cols = AllOf>
 __device__ __forceinline__ void store_rows(const TiledCopy& tiled_copy, const TensorS& src, TensorG& dst,
                                            const TensorC& coords, int max_rows, Cols cols = {}) {
   CUTE_UNROLL
