@@ -11,7 +11,7 @@
 #include "cutlass_flash/params.h"
 #include "kernels/common/block_info.h"
 #include "kernels/common/score_policy.h"
-#include "kernels/common/tile_store.h"
+#include "kernels/common/bwd_convert_dq.h"
 #include "kernels/common/tile_scheduler.h"
 #include "kernels/sm80/bwd_epilogue.h"
 #include "kernels/sm80/bwd_mainloop.h"
@@ -22,51 +22,23 @@ namespace cutlass_flash::sm80 {
 
 using namespace cute;
 
-// dq = softmax_scale * dQ scratch, one thread block per query tile: each thread reads back the
-// accumulators it would have held in the main kernel's dQ MMA (dq_accum_index: coalesced), converts
-// them and puts them at their (row, col) of a shared tile, from which the block writes whole rows in
-// 16-byte stores. Stored straight from the accumulator layout (2-byte stores, 8 rows per warp
-// instruction) the kernel took 126-135 us at 16k tokens x 2048 (H200, d = 64-256), twice
-// FlashAttention-2's 61-66 us, and was most of the 1k backward's gap to it (PERFLOG.md entry 95).
+// dq = softmax_scale * dQ scratch (common/bwd_convert_dq.h), one thread block per query tile,
+// each thread reading back the accumulators it would have held in the main kernel's dQ MMA
+// (dq_accum_index: coalesced 4-byte loads).
 template <typename Traits, bool kPacked>
 __global__ void __launch_bounds__(Traits::kNThreads) bwd_convert_dq_kernel(const __grid_constant__ BwdParams params,
                                                                               const __grid_constant__ VarlenTiles rows) {
-  using Element = typename Traits::Element;
-  constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim, kThreads = Traits::kNThreads;
-  // 16 bytes of padding per row: the accumulator layout's 8 rows per store instruction then fall
-  // in different banks, and each row stays 16-byte aligned.
-  constexpr int kPitch = kHeadDim + 16 / int(sizeof(Element));
-  __shared__ alignas(16) Element smem[kBlockM * kPitch];
-  const AttnProblem& p = params.problem;
-  const BwdWorkspace ws = bwd_workspace_layout(p, params.deterministic, kFamilyArch);
-  const int tid = threadIdx.x, head = blockIdx.y;
-  int batch = blockIdx.z, m_block = blockIdx.x;
-  if (kPacked && !rows.part(blockIdx.x, kBlockM, batch, m_block)) return;  // past a packed batch's rows
-  const SeqInfo seq(p, batch);
-  if (m_block * kBlockM >= seq.seqlen_q) return;  // past the sequence's rows
-  const int64_t bh_row = seq.workspace_row(p, ws.rows_per_head, head);
-  const float* dq_tile = reinterpret_cast<const float*>(static_cast<const char*>(params.workspace) +
-                                                        ws.dq_accum_offset) +
-                         bh_row * kHeadDim + m_block * (kBlockM * kHeadDim);
-  typename Traits::TiledMmadQ mma_dq;
-  auto thr_dq = mma_dq.get_thread_slice(tid);
-  Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-  CUTE_UNROLL
-  for (int i = 0; i < size(acc_dq); ++i) acc_dq(i) = dq_tile[dq_accum_index<Traits>(i, tid)];
-  // Deterministic mode: the groups' copies, summed in group order.
-  for (int g = 1; g < ws.dq_groups; ++g) {
+  convert_dq<kFamilyArch, Traits, Traits::kNThreads, kPacked>(params, rows, [](auto& acc, const float* tile, int tid,
+                                                                               auto add) {
     CUTE_UNROLL
-    for (int i = 0; i < size(acc_dq); ++i) acc_dq(i) += dq_tile[g * ws.rows * kHeadDim + dq_accum_index<Traits>(i, tid)];
-  }
-  CUTE_UNROLL
-  for (int i = 0; i < size(acc_dq); ++i) acc_dq(i) *= p.softmax_scale;
-  Tensor rdq = convert_type<Element>(acc_dq);
-  Tensor sdq = make_tensor(make_smem_ptr(smem), Shape<Int<kBlockM>, Int<kHeadDim>>{}, Stride<Int<kPitch>, _1>{});
-  store_pairs(rdq, thr_dq.partition_C(sdq));
-  __syncthreads();
-  Element* dq = seq.q_rows<Element>(p, params.dq, head) + int64_t(m_block) * kBlockM * params.dq.row_stride;
-  store_rows_16b<kBlockM, kHeadDim, kThreads>(sdq, 0, dq, params.dq.row_stride, seq.seqlen_q - m_block * kBlockM,
-                                              p.cols(), tid);
+    for (int i = 0; i < size(acc); ++i) {
+      const float v = tile[dq_accum_index<Traits>(i, tid)];
+      if constexpr (decltype(add)::value)
+        acc(i) += v;
+      else
+        acc(i) = v;
+    }
+  });
 }
 
 // The main kernel, composed as bwd_kernel<Mainloop, Epilogue, Scheduler> like the sm90 family's.

@@ -1,6 +1,6 @@
 // sm90 backward epilogue: dK (scaled by softmax_scale) and dV of the block's keys from the
 // consumers' registers, staged in V's shared tile, to the caller's tensors; and the dQ postprocess
-// (fp32 workspace -> dq, staged in shared memory).
+// (fp32 workspace -> dq, common/bwd_convert_dq.h).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -11,6 +11,7 @@
 #include "kernels/common/tile_scheduler.h"
 #include "generated/bwd_workspace.h"
 #include "kernels/common/block_info.h"
+#include "kernels/common/bwd_convert_dq.h"
 #include "kernels/common/convert.h"
 #include "kernels/sm90/bwd_mainloop.h"
 #include "kernels/sm90/bwd_traits.h"
@@ -67,63 +68,30 @@ struct BwdEpilogue {
   }
 };
 
-// dq = softmax_scale * the fp32 workspace, one block of kNMmaThreads per query tile: each thread
-// reads the accumulators it staged in the main kernel (dq_index: coalesced float4 loads), converts
-// them and puts them at their (row, col) of a shared tile, from which the block writes whole rows
-// in 16-byte stores. Stored straight from the accumulator layout (2-byte stores, 8 rows per warp
-// instruction) this kernel took 152-195 us at 16k tokens x 2048 (H100), 2.5x FlashAttention-3's
-// postprocess, which stages the same way (PERFLOG 45).
+// dq = softmax_scale * the fp32 workspace (common/bwd_convert_dq.h), one block of kNMmaThreads
+// per query tile, each thread reading back the accumulators it staged in the main kernel
+// (dq_index: coalesced float4 loads).
 template <typename Traits, bool kPacked>
 __global__ void __launch_bounds__(Traits::kNMmaThreads) bwd_convert_dq_kernel(const __grid_constant__ BwdParams params,
                                                                                  const __grid_constant__ VarlenTiles rows) {
-  using Element = typename Traits::Element;
-  constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim, kThreads = Traits::kNMmaThreads;
-  // 16 bytes of padding per row: the accumulator layout's 8 rows per store instruction then fall
-  // in different banks (row pitch kHeadDim * 2 + 16 bytes), and each row stays 16-byte aligned.
-  constexpr int kPitch = kHeadDim + 16 / int(sizeof(Element));
-  __shared__ alignas(16) Element smem[kBlockM * kPitch];
-  const AttnProblem& p = params.problem;
-  const BwdWorkspace ws = bwd_workspace_layout(p, params.deterministic, kFamilyArch);
-  const int tid = threadIdx.x, head = blockIdx.y;
-  int batch = blockIdx.z, m_block = blockIdx.x;
-  if (kPacked && !rows.part(blockIdx.x, kBlockM, batch, m_block)) return;  // past a packed batch's rows
-  const SeqInfo seq(p, batch);
-  if (m_block * kBlockM >= seq.seqlen_q) return;  // past the sequence's rows
-  const int64_t bh_row = seq.workspace_row(p, ws.rows_per_head, head);
-  const float* tile = reinterpret_cast<const float*>(static_cast<const char*>(params.workspace) + ws.dq_accum_offset) +
-                      (bh_row + int64_t(m_block) * kBlockM) * kHeadDim;
-  typename Traits::TiledMmadQ mma_dq;
-  auto thr = mma_dq.get_thread_slice(tid);
-  Tensor acc = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-  CUTE_UNROLL
-  for (int j = 0; j < size(acc) / 4; ++j) {
-    const float4 v = reinterpret_cast<const float4*>(tile)[dq_index<Traits>(4 * j, tid) / 4];
-    acc(4 * j) = v.x;
-    acc(4 * j + 1) = v.y;
-    acc(4 * j + 2) = v.z;
-    acc(4 * j + 3) = v.w;
-  }
-  // Deterministic mode: the dQ groups' copies (BwdWorkspace::dq_group_row), summed in group order.
-  for (int g = 1; g < ws.dq_groups; ++g) {
-    const float4* copy = reinterpret_cast<const float4*>(tile + g * ws.rows * kHeadDim);
+  convert_dq<kFamilyArch, Traits, Traits::kNMmaThreads, kPacked>(params, rows, [](auto& acc, const float* tile,
+                                                                                  int tid, auto add) {
     CUTE_UNROLL
     for (int j = 0; j < size(acc) / 4; ++j) {
-      const float4 v = copy[dq_index<Traits>(4 * j, tid) / 4];
-      acc(4 * j) += v.x;
-      acc(4 * j + 1) += v.y;
-      acc(4 * j + 2) += v.z;
-      acc(4 * j + 3) += v.w;
+      const float4 v = reinterpret_cast<const float4*>(tile)[dq_index<Traits>(4 * j, tid) / 4];
+      if constexpr (decltype(add)::value) {
+        acc(4 * j) += v.x;
+        acc(4 * j + 1) += v.y;
+        acc(4 * j + 2) += v.z;
+        acc(4 * j + 3) += v.w;
+      } else {
+        acc(4 * j) = v.x;
+        acc(4 * j + 1) = v.y;
+        acc(4 * j + 2) = v.z;
+        acc(4 * j + 3) = v.w;
+      }
     }
-  }
-  CUTE_UNROLL
-  for (int i = 0; i < size(acc); ++i) acc(i) *= p.softmax_scale;
-  Tensor r = convert_type<Element>(acc);
-  Tensor sdq = make_tensor(make_smem_ptr(smem), Shape<Int<kBlockM>, Int<kHeadDim>>{}, Stride<Int<kPitch>, _1>{});
-  store_pairs(r, thr.partition_C(sdq));
-  __syncthreads();
-  Element* dq = seq.q_rows<Element>(p, params.dq, head) + int64_t(m_block) * kBlockM * params.dq.row_stride;
-  store_rows_16b<kBlockM, kHeadDim, kThreads>(sdq, 0, dq, params.dq.row_stride, seq.seqlen_q - m_block * kBlockM,
-                                              p.cols(), tid);
+  });
 }
 
 }  // namespace cutlass_flash::sm90
