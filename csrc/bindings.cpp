@@ -54,34 +54,56 @@ TensorRef4 tensor(const Tensor& t) {
   return r;
 }
 
-AttnProblem problem(int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_kv, int head_dim,
-                    float softmax_scale, int window_left, int window_right, float softcap,
-                    const std::string& dtype, uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, int total_q,
-                    int total_k, uintptr_t alibi_slopes, int64_t alibi_batch_stride, float dropout_p, uintptr_t rng_state,
-                    uintptr_t seqused_q, uintptr_t seqused_k, int head_dim_real) {
+// The problem's fields by their AttnProblem names, the one list the binding has of them (Python's
+// _ops._problem builds the keyword arguments); pointers as integers (0: null).
+struct Field {
+  const char* name;
+  bool required;
+  void (*set)(AttnProblem&, py::handle);
+};
+template <typename T>
+const T* pointer(py::handle v) {
+  return reinterpret_cast<const T*>(v.cast<uintptr_t>());
+}
+const Field kProblemFields[] = {
+    {"batch", true, [](AttnProblem& p, py::handle v) { p.batch = v.cast<int>(); }},
+    {"seqlen_q", true, [](AttnProblem& p, py::handle v) { p.seqlen_q = v.cast<int>(); }},
+    {"seqlen_k", true, [](AttnProblem& p, py::handle v) { p.seqlen_k = v.cast<int>(); }},
+    {"nheads", true, [](AttnProblem& p, py::handle v) { p.nheads = v.cast<int>(); }},
+    {"nheads_kv", true, [](AttnProblem& p, py::handle v) { p.nheads_kv = v.cast<int>(); }},
+    {"head_dim", true, [](AttnProblem& p, py::handle v) { p.head_dim = v.cast<int>(); }},
+    {"head_dim_real", false, [](AttnProblem& p, py::handle v) { p.head_dim_real = v.cast<int>(); }},
+    {"softmax_scale", true, [](AttnProblem& p, py::handle v) { p.softmax_scale = v.cast<float>(); }},
+    {"window_left", true, [](AttnProblem& p, py::handle v) { p.window_left = v.cast<int>(); }},
+    {"window_right", true, [](AttnProblem& p, py::handle v) { p.window_right = v.cast<int>(); }},
+    {"softcap", false, [](AttnProblem& p, py::handle v) { p.softcap = v.cast<float>(); }},
+    {"alibi_slopes", false, [](AttnProblem& p, py::handle v) { p.alibi_slopes = pointer<float>(v); }},
+    {"alibi_batch_stride", false, [](AttnProblem& p, py::handle v) { p.alibi_batch_stride = v.cast<int64_t>(); }},
+    {"dropout_p", false, [](AttnProblem& p, py::handle v) { p.dropout_p = v.cast<float>(); }},
+    {"rng_state", false, [](AttnProblem& p, py::handle v) { p.rng_state = pointer<uint64_t>(v); }},
+    {"sinks", false, [](AttnProblem& p, py::handle v) { p.sinks = pointer<float>(v); }},
+    {"dtype", true, [](AttnProblem& p, py::handle v) { p.dtype = parse_dtype(v.cast<std::string>()); }},
+    {"cu_seqlens_q", false, [](AttnProblem& p, py::handle v) { p.cu_seqlens_q = pointer<int>(v); }},
+    {"cu_seqlens_k", false, [](AttnProblem& p, py::handle v) { p.cu_seqlens_k = pointer<int>(v); }},
+    {"seqused_q", false, [](AttnProblem& p, py::handle v) { p.seqused_q = pointer<int>(v); }},
+    {"seqused_k", false, [](AttnProblem& p, py::handle v) { p.seqused_k = pointer<int>(v); }},
+    {"total_q", false, [](AttnProblem& p, py::handle v) { p.total_q = v.cast<int>(); }},
+    {"total_k", false, [](AttnProblem& p, py::handle v) { p.total_k = v.cast<int>(); }},
+};
+
+AttnProblem problem(const py::kwargs& kw) {
   AttnProblem p;
-  p.batch = batch;
-  p.seqlen_q = seqlen_q;
-  p.seqlen_k = seqlen_k;
-  p.nheads = nheads;
-  p.nheads_kv = nheads_kv;
-  p.head_dim = head_dim;
-  p.head_dim_real = head_dim_real;
-  p.softmax_scale = softmax_scale;
-  p.window_left = window_left;
-  p.window_right = window_right;
-  p.softcap = softcap;
-  p.dtype = parse_dtype(dtype);
-  p.cu_seqlens_q = reinterpret_cast<const int*>(cu_seqlens_q);
-  p.cu_seqlens_k = reinterpret_cast<const int*>(cu_seqlens_k);
-  p.seqused_q = reinterpret_cast<const int*>(seqused_q);
-  p.seqused_k = reinterpret_cast<const int*>(seqused_k);
-  p.total_q = total_q;
-  p.total_k = total_k;
-  p.alibi_slopes = reinterpret_cast<const float*>(alibi_slopes);
-  p.alibi_batch_stride = alibi_batch_stride;
-  p.dropout_p = dropout_p;
-  p.rng_state = reinterpret_cast<const uint64_t*>(rng_state);
+  for (const auto& item : kw) {
+    const std::string key = py::cast<std::string>(item.first);
+    const Field* field = nullptr;
+    for (const Field& f : kProblemFields)
+      if (key == f.name) field = &f;
+    if (field == nullptr) throw py::type_error("cutlass_flash: unknown problem argument '" + key + "'");
+    field->set(p, item.second);
+  }
+  for (const Field& f : kProblemFields)
+    if (f.required && !kw.contains(f.name))
+      throw py::type_error(std::string("cutlass_flash: missing problem argument '") + f.name + "'");
   return p;
 }
 
@@ -112,64 +134,33 @@ void run_without_gil(F&& call) {
 }
 
 void fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, uintptr_t lse,
-         uintptr_t workspace, int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_kv, int head_dim,
-         float softmax_scale, int window_left, int window_right, float softcap, const std::string& dtype,
-         uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, int total_q, int total_k, uintptr_t alibi_slopes,
-         int64_t alibi_batch_stride, float dropout_p, uintptr_t rng_state, uintptr_t seqused_q, uintptr_t seqused_k, int head_dim_real,
-         int arch, uintptr_t stream) {
+         uintptr_t workspace, int arch, uintptr_t stream, const py::kwargs& kw) {
   FwdParams params;
-  set_common(params, q, k, v, o, workspace,
-             problem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, softmax_scale,
-                     window_left, window_right, softcap, dtype, cu_seqlens_q, cu_seqlens_k, total_q, total_k, alibi_slopes,
-                     alibi_batch_stride, dropout_p, rng_state, seqused_q, seqused_k, head_dim_real));
+  set_common(params, q, k, v, o, workspace, problem(kw));
   params.lse = reinterpret_cast<float*>(lse);
   run_without_gil([&] { return run_fwd(params, arch, as_stream(stream)); });
 }
 
 void bwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& dout,
          uintptr_t lse, const Tensor& dq, const Tensor& dk, const Tensor& dv, uintptr_t workspace,
-         int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_kv, int head_dim,
-         float softmax_scale, int window_left, int window_right, float softcap, const std::string& dtype,
-         uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, int total_q, int total_k, uintptr_t alibi_slopes,
-         int64_t alibi_batch_stride, float dropout_p, uintptr_t rng_state, uintptr_t seqused_q, uintptr_t seqused_k, int head_dim_real,
-         int arch, bool deterministic, uintptr_t stream) {
+         int arch, bool deterministic, uintptr_t dsink_rows, uintptr_t stream, const py::kwargs& kw) {
   BwdParams params;
-  set_common(params, q, k, v, o, workspace,
-             problem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, softmax_scale,
-                     window_left, window_right, softcap, dtype, cu_seqlens_q, cu_seqlens_k, total_q, total_k, alibi_slopes,
-                     alibi_batch_stride, dropout_p, rng_state, seqused_q, seqused_k, head_dim_real));
+  set_common(params, q, k, v, o, workspace, problem(kw));
   params.dout = tensor(dout);
   params.lse = reinterpret_cast<const float*>(lse);
   params.dq = tensor(dq);
   params.dk = tensor(dk);
   params.dv = tensor(dv);
   params.deterministic = deterministic;
+  params.dsink_rows = reinterpret_cast<float*>(dsink_rows);
   run_without_gil([&] { return run_bwd(params, arch, as_stream(stream)); });
 }
 
 // Scratch bytes of a direction's call, after the problem checks that call would make.
 template <Direction kDir>
-size_t workspace_bytes(int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_kv,
-                       int head_dim, float softmax_scale, int window_left, int window_right,
-                       float softcap, const std::string& dtype, uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k,
-                       int total_q, int total_k, uintptr_t alibi_slopes, int64_t alibi_batch_stride, float dropout_p, uintptr_t rng_state,
-                       uintptr_t seqused_q, uintptr_t seqused_k, int head_dim_real, int arch, bool deterministic) {
-  const AttnProblem p = problem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, softmax_scale, window_left,
-                                window_right, softcap, dtype, cu_seqlens_q, cu_seqlens_k, total_q, total_k,
-                                alibi_slopes, alibi_batch_stride, dropout_p, rng_state, seqused_q, seqused_k, head_dim_real);
+size_t workspace_bytes(const AttnProblem& p, int arch, bool deterministic) {
   check(dispatch::check_problem(p, arch, kDir));
   return kDir == Direction::kForward ? fwd_workspace_bytes(p, arch) : bwd_workspace_bytes(p, arch, deterministic);
-}
-
-size_t fwd_workspace_bytes_py(int batch, int seqlen_q, int seqlen_k, int nheads, int nheads_kv, int head_dim,
-                              float softmax_scale, int window_left, int window_right, float softcap,
-                              const std::string& dtype, uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k,
-                              int total_q, int total_k, uintptr_t alibi_slopes, int64_t alibi_batch_stride, float dropout_p, uintptr_t rng_state,
-                              uintptr_t seqused_q, uintptr_t seqused_k, int head_dim_real, int arch) {
-  return workspace_bytes<Direction::kForward>(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim,
-                                              softmax_scale, window_left, window_right, softcap, dtype,
-                                              cu_seqlens_q, cu_seqlens_k, total_q, total_k, alibi_slopes,
-                                              alibi_batch_stride, dropout_p, rng_state, seqused_q, seqused_k, head_dim_real, arch, false);
 }
 
 py::list built() {
@@ -192,42 +183,38 @@ py::dict build_config() {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "cutlass_flash kernel library bindings (pointers and strides in, no torch)";
 
-  // Problem keyword arguments shared by fwd, bwd and bwd_workspace_bytes.
-#define CUTLASS_FLASH_PROBLEM_ARGS                                                            \
-  py::arg("batch"), py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("nheads"),              \
-      py::arg("nheads_kv"), py::arg("head_dim"), py::arg("softmax_scale"),                    \
-      py::arg("window_left"), py::arg("window_right"), py::arg("softcap"), py::arg("dtype"),     \
-      py::arg("cu_seqlens_q") = 0, py::arg("cu_seqlens_k") = 0, py::arg("total_q") = 0,          \
-      py::arg("total_k") = 0, py::arg("alibi_slopes") = 0, py::arg("alibi_batch_stride") = 0,    \
-      py::arg("dropout_p") = 0.f, py::arg("rng_state") = 0, py::arg("seqused_q") = 0,              \
-      py::arg("seqused_k") = 0, py::arg("head_dim_real") = 0
-
+  // The problem's fields are keyword arguments of fwd, bwd and the workspace sizes, by their
+  // AttnProblem names (kProblemFields).
   m.def("fwd", &fwd, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"), py::arg("lse_ptr"),
-        py::arg("workspace_ptr"), py::kw_only(), CUTLASS_FLASH_PROBLEM_ARGS, py::arg("arch"),
-        py::arg("stream"),
+        py::arg("workspace_ptr"), py::kw_only(), py::arg("arch"), py::arg("stream"),
         "Forward pass. q/k/v/o: (ptr, batch_stride, row_stride, head_stride) in elements, the "
         "last dim contiguous; lse_ptr: float32 (batch, nheads, seqlen_q), contiguous; "
         "cu_seqlens_q/_k (int32 device pointers, both or 0) make a variable-length batch of packed "
         "(total_q / total_k rows) tensors, seqlen_q/_k then the longest lengths and the LSE "
         "(nheads, total_q); seqused_q/_k (int32 device pointers, batch entries each, or 0; "
         "variable-length only): sequence b uses the first seqused[b] rows of its slot, the rest "
-        "written as 0 (lse +inf); "
+        "written as 0 (lse +inf); sinks: float32 device pointer (nheads) or 0; "
         "workspace_ptr: fwd_workspace_bytes(...) bytes, aligned to _catalog.FWD_WORKSPACE_ALIGN (0 when that is 0); "
-        "dtype: 'fp16' | 'bf16'; arch: kernel family (80, 90); stream: cudaStream_t as an int. "
-        "Asynchronous.");
+        "dtype: 'fp16' | 'bf16'; arch: kernel family (80, 90); stream: cudaStream_t as an int; "
+        "the other keywords: the fields of AttnProblem (params.h). Asynchronous.");
   m.def("bwd", &bwd, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"), py::arg("dout"),
         py::arg("lse_ptr"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("workspace_ptr"),
-        py::kw_only(), CUTLASS_FLASH_PROBLEM_ARGS, py::arg("arch"), py::arg("deterministic"),
+        py::kw_only(), py::arg("arch"), py::arg("deterministic"), py::arg("dsink_rows_ptr") = 0,
         py::arg("stream"),
         "Backward pass. dq/dk/dv shaped like q/k/v (dk/dv per kv head); "
         "workspace_ptr: bwd_workspace_bytes(...) bytes, 256-byte aligned, need not be zeroed; "
-        "deterministic: dQ accumulated in a fixed order.");
-  m.def("fwd_workspace_bytes", &fwd_workspace_bytes_py, py::kw_only(),
-        CUTLASS_FLASH_PROBLEM_ARGS, py::arg("arch"), "Scratch bytes fwd needs for this problem.");
-  m.def("bwd_workspace_bytes", &workspace_bytes<Direction::kBackward>, py::kw_only(),
-        CUTLASS_FLASH_PROBLEM_ARGS, py::arg("arch"), py::arg("deterministic"),
-        "Scratch bytes bwd needs for this problem.");
-#undef CUTLASS_FLASH_PROBLEM_ARGS
+        "deterministic: dQ accumulated in a fixed order; dsink_rows_ptr (with sinks): float32 "
+        "shaped like the LSE, each row's part of the sinks' gradient (BwdParams::dsink_rows).");
+  m.def(
+      "fwd_workspace_bytes",
+      [](int arch, const py::kwargs& kw) { return workspace_bytes<Direction::kForward>(problem(kw), arch, false); },
+      py::kw_only(), py::arg("arch"), "Scratch bytes fwd needs for this problem.");
+  m.def(
+      "bwd_workspace_bytes",
+      [](int arch, bool deterministic, const py::kwargs& kw) {
+        return workspace_bytes<Direction::kBackward>(problem(kw), arch, deterministic);
+      },
+      py::kw_only(), py::arg("arch"), py::arg("deterministic"), "Scratch bytes bwd needs for this problem.");
   m.def("built_kernels", &built,
         "The instantiations of this build: [(arch, 'fwd'|'bwd', head_dim, 'fp16'|'bf16')].");
   m.def("build_config", &build_config,

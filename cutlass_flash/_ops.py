@@ -3,10 +3,11 @@
 Ops (visible to torch.compile as single nodes, with fake and autograd implementations):
 
   cutlass_flash::fwd(q, k, v, softmax_scale, window_left, window_right, arch, deterministic,
-                     softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None) -> (out, lse)
+                     softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None,
+                     sinks=None) -> (out, lse)
   cutlass_flash::bwd(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch,
                      deterministic, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-                     rng_state=None) -> (dq, dk, dv)
+                     rng_state=None, sinks=None) -> (dq, dk, dv, dsinks)
 
 q: (batch, seqlen_q, nheads, head_dim); k, v: (batch, seqlen_k, nheads_kv, head_dim); last dim
 contiguous. out: like q (contiguous); lse: float32 (batch, nheads, seqlen_q), natural log, +inf for
@@ -15,7 +16,9 @@ GQA group). The window is relative to the bottom-right-aligned diagonal: (-1, -1
 causal. softcap > 0: the scaled scores x become softcap * tanh(x / softcap) (Gemma 2); lse is
 that of the capped scores. dropout_p > 0: P is dropped with that probability under the mask
 rng_state (int64 (seed, offset) on q's device, cutlass_flash.dropout) draws, the same in both
-directions. arch: kernel family, 0 = auto. deterministic: the backward accumulates dQ in a fixed
+directions. sinks: None, or (nheads,) attention-sink logits (gpt-oss) that join every row's softmax
+denominator; dsinks is their gradient, float32 (an empty tensor without sinks). arch: kernel
+family, 0 = auto. deterministic: the backward accumulates dQ in a fixed
 order (the forward only carries it to its autograd context).
 Head dims that are not instantiated run on the next instantiated kernels: the families that take
 narrower tensors read them in place (NARROW_HEAD_DIM), the others get zero-padded copies here and
@@ -44,7 +47,7 @@ def _ref4(t):
 
 
 def _problem(q, k, head_dim, softmax_scale, window_left, window_right, dtype_name, softcap=0.0,
-             varlen=None, alibi_slopes=None, dropout_p=0.0, rng_state=None):
+             varlen=None, alibi_slopes=None, dropout_p=0.0, rng_state=None, sinks=None):
     """The binding's problem arguments; head_dim: the kernels' (instantiated) width, q's own the
     columns in memory (head_dim_real when narrower)."""
     batch, seqlen_q, nheads, cols = q.shape
@@ -68,6 +71,8 @@ def _problem(q, k, head_dim, softmax_scale, window_left, window_right, dtype_nam
                        alibi_batch_stride=alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0)
     if dropout_p > 0:
         problem.update(dropout_p=dropout_p, rng_state=rng_state.data_ptr())
+    if sinks is not None:  # float32 (nheads,), _kernel_sinks
+        problem["sinks"] = sinks.data_ptr()
     if varlen is not None:  # q, k: (1, total, nheads, head_dim) views of the packed tensors
         cu_q, cu_k, max_q, max_k, used_q, used_k = varlen
         problem.update(batch=cu_q.shape[0] - 1, seqlen_q=max_q, seqlen_k=max_k,
@@ -123,6 +128,11 @@ def _kernel_query(q, softmax_scale):
     return torch.zeros_like(q), 1.0
 
 
+def _kernel_sinks(sinks):
+    """The sink logits as the kernels read them: float32, contiguous (None stays None)."""
+    return None if sinks is None else sinks.detach().to(torch.float32).contiguous()
+
+
 def _launches(varlen, alibi_slopes, rng_state, *tensors):
     """(tensors, alibi_slopes, rng_state) of each launch of a call: the whole call, or for a dense
     batch larger than one launch takes (_validate.max_batch_per_launch: the grids put the batch on
@@ -145,15 +155,19 @@ def _launches(varlen, alibi_slopes, rng_state, *tensors):
 
 
 def _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, deterministic=False, softcap=0.0,
-              varlen=None, alibi_slopes=None, dropout_p=0.0, rng_state=None):
+              varlen=None, alibi_slopes=None, dropout_p=0.0, rng_state=None, sinks=None):
     """The forward; varlen: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
     seqused_k) with q, k, v the (1, total, nheads, head_dim) views of packed tensors."""
     _validate.check_op_tensors(q, k, v)
     batch, seqlen_q, nheads, head_dim = q.shape
     nseq = batch if varlen is None else varlen[0].shape[0] - 1
-    _validate.check_op_features(q, nseq, alibi_slopes, dropout_p, rng_state, varlen)
-    if _no_work(varlen):
-        return torch.zeros_like(q), q.new_full(_lse_shape(q, varlen), float("inf"), dtype=torch.float32)
+    _validate.check_op_features(q, nseq, alibi_slopes, dropout_p, rng_state, varlen, sinks=sinks)
+    sinks = _kernel_sinks(sinks)
+    if _no_work(varlen):  # lse: +inf, or the sink (the only term of an empty row's softmax)
+        lse = q.new_full(_lse_shape(q, varlen), float("inf"), dtype=torch.float32)
+        if sinks is not None:
+            lse.copy_(sinks[:, None].expand_as(lse))
+        return torch.zeros_like(q), lse
     _check_limits(q, k, varlen)
     padded = _dispatch.padded_head_dim(head_dim)
     dtype_name = _dispatch.DTYPE_NAMES[q.dtype]
@@ -170,7 +184,7 @@ def _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, determini
     lse = torch.empty(_lse_shape(q, varlen), dtype=torch.float32, device=device)
     for (qs, ks, vs, os_, lses), slopes, rng in _launches(varlen, alibi_slopes, rng_state, q, k, v, out, lse):
         problem = _problem(qs, ks, padded, softmax_scale, window_left, window_right, dtype_name, softcap,
-                           varlen, slopes, dropout_p, rng)
+                           varlen, slopes, dropout_p, rng, sinks)
         workspace_bytes = C.fwd_workspace_bytes(**problem, arch=arch)
         workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device) if workspace_bytes else None
         _dispatch.launch(
@@ -212,14 +226,15 @@ def fwd_op(
     alibi_slopes: Optional[_Tensor] = None,
     dropout_p: float = 0.0,
     rng_state: Optional[_Tensor] = None,
+    sinks: Optional[_Tensor] = None,
 ) -> tuple[_Tensor, _Tensor]:
     return _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, softcap=softcap,
-                     alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_state=rng_state)
+                     alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_state=rng_state, sinks=sinks)
 
 
 @fwd_op.register_fake
 def _fwd_fake(q, k, v, softmax_scale, window_left, window_right, arch, deterministic, softcap=0.0,
-              alibi_slopes=None, dropout_p=0.0, rng_state=None):
+              alibi_slopes=None, dropout_p=0.0, rng_state=None, sinks=None):
     batch, seqlen_q, nheads, head_dim = q.shape
     out = q.new_empty((batch, seqlen_q, nheads, head_dim))
     lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
@@ -228,8 +243,9 @@ def _fwd_fake(q, k, v, softmax_scale, window_left, window_right, arch, determini
 
 def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch,
               deterministic, dq=None, dk=None, dv=None, softcap=0.0, varlen=None, alibi_slopes=None,
-              dropout_p=0.0, rng_state=None):
-    """The backward; dq / dk / dv: buffers to write the gradients into (else new tensors). A
+              dropout_p=0.0, rng_state=None, sinks=None):
+    """The backward: (dq, dk, dv, dsinks), dsinks float32 (nheads,) with sinks, else None.
+    dq / dk / dv: buffers to write the gradients into (else new tensors). A
     buffer the kernels cannot write in place (a padded head dim, a layout they do not take) is
     filled by a copy. varlen: as for _fwd_impl. dout comes from autograd in any layout (stride 0
     after a sum or mean over rows): _kernel_input copies what the kernels cannot read."""
@@ -237,14 +253,17 @@ def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
     batch, seqlen_q, nheads, head_dim = q.shape
     _, seqlen_k, nheads_kv, _ = k.shape
     nseq = batch if varlen is None else varlen[0].shape[0] - 1
-    _validate.check_op_features(q, nseq, alibi_slopes, dropout_p, rng_state, varlen, lse, _lse_shape(q, varlen))
+    _validate.check_op_features(q, nseq, alibi_slopes, dropout_p, rng_state, varlen, lse, _lse_shape(q, varlen),
+                                sinks=sinks)
+    sinks = _kernel_sinks(sinks)
     dests = (dq, dk, dv)
-    if _no_work(varlen):
+    if _no_work(varlen):  # out = 0: rowsum(dout * out) = 0, so dsinks = 0 too
         grads = (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))
         for grad, dest in zip(grads, dests):
             if dest is not None:
                 dest.zero_()
-        return tuple(grad if dest is None else dest for grad, dest in zip(grads, dests))
+        dsinks = None if sinks is None else torch.zeros_like(sinks)
+        return tuple(grad if dest is None else dest for grad, dest in zip(grads, dests)) + (dsinks,)
     _check_limits(q, k, varlen)
     padded = _dispatch.padded_head_dim(head_dim)
     dtype_name = _dispatch.DTYPE_NAMES[q.dtype]
@@ -270,10 +289,13 @@ def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
     dq = target(dq, (batch, seqlen_q, nheads, cols))
     dk = target(dk, (batch, seqlen_k, nheads_kv, cols))
     dv = target(dv, (batch, seqlen_k, nheads_kv, cols))
-    for (qs, ks, vs, os_, dos, dqs, dks, dvs, lses), slopes, rng in _launches(
-            varlen, alibi_slopes, rng_state, q, k, v, out, dout, dq, dk, dv, lse):
+    # Each query row's share of dsinks (BwdParams::dsink_rows), summed below in a fixed order; rows
+    # of no sequence stay 0.
+    dsink_rows = torch.zeros_like(lse) if sinks is not None else None
+    for (qs, ks, vs, os_, dos, dqs, dks, dvs, lses, dsrs), slopes, rng in _launches(
+            varlen, alibi_slopes, rng_state, q, k, v, out, dout, dq, dk, dv, lse, dsink_rows):
         problem = _problem(qs, ks, padded, kernel_scale, window_left, window_right, dtype_name, softcap,
-                           varlen, slopes, dropout_p, rng)
+                           varlen, slopes, dropout_p, rng, sinks)
         workspace = torch.empty(
             C.bwd_workspace_bytes(**problem, arch=arch, deterministic=deterministic),
             dtype=torch.uint8,
@@ -295,6 +317,7 @@ def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
             **problem,
             arch=arch,
             deterministic=deterministic,
+            dsink_rows_ptr=dsrs.data_ptr() if dsrs is not None else 0,
             stream=_dispatch.current_stream(device),
         )
     if softmax_scale < 0:  # the kernels' dq is that of -q (_kernel_query)
@@ -307,8 +330,12 @@ def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
     for grad, dest in zip(grads, dests):
         if dest is not None and grad.data_ptr() != dest.data_ptr():
             dest.copy_(grad)
+    # lse / dsink_rows: (batch, nheads, seqlen_q), or (nheads, total_q) for a packed batch.
+    dsinks = None
+    if dsink_rows is not None:
+        dsinks = (dsink_rows if varlen is not None else dsink_rows.transpose(0, 1).reshape(nheads, -1)).sum(1)
     # A fresh unpadded gradient is contiguous already (contiguous() returns it as it is).
-    return tuple(grad.contiguous() if dest is None else dest for grad, dest in zip(grads, dests))
+    return tuple(grad.contiguous() if dest is None else dest for grad, dest in zip(grads, dests)) + (dsinks,)
 
 
 @torch.library.custom_op("cutlass_flash::bwd", mutates_args=())
@@ -328,22 +355,35 @@ def bwd_op(
     alibi_slopes: Optional[_Tensor] = None,
     dropout_p: float = 0.0,
     rng_state: Optional[_Tensor] = None,
-) -> tuple[_Tensor, _Tensor, _Tensor]:
-    return _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch,
-                     deterministic, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                     rng_state=rng_state)
+    sinks: Optional[_Tensor] = None,
+) -> tuple[_Tensor, _Tensor, _Tensor, _Tensor]:
+    return _op_grads(_bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch,
+                               deterministic, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                               rng_state=rng_state, sinks=sinks), q)
 
 
 @bwd_op.register_fake
 def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch,
-              deterministic, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+              deterministic, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None, sinks=None):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), _dsinks_fake(q, sinks)
+
+
+def _op_grads(grads, q):
+    """_bwd_impl's (dq, dk, dv, dsinks) as the ops return them: an op's outputs are tensors, so
+    no sinks gives an empty dsinks."""
+    dq, dk, dv, dsinks = grads
+    return dq, dk, dv, q.new_empty(0, dtype=torch.float32) if dsinks is None else dsinks
+
+
+def _dsinks_fake(q, sinks):
+    return q.new_empty(0 if sinks is None else sinks.shape[0], dtype=torch.float32)
 
 
 # The feature arguments after the ops' required ones, and their defaults; the variable-length
-# ops take seqused after them.
-_FEATURES = {"softcap": 0.0, "alibi_slopes": None, "dropout_p": 0.0, "rng_state": None}
-_VARLEN_FEATURES = {**_FEATURES, "seqused_q": None, "seqused_k": None}
+# ops take seqused before sinks (FlashAttention-3's seqused came first).
+_FEATURES = {"softcap": 0.0, "alibi_slopes": None, "dropout_p": 0.0, "rng_state": None, "sinks": None}
+_VARLEN_FEATURES = {"softcap": 0.0, "alibi_slopes": None, "dropout_p": 0.0, "rng_state": None, "seqused_q": None,
+                    "seqused_k": None, "sinks": None}
 
 
 def _features(passed, features=_FEATURES):
@@ -351,11 +391,21 @@ def _features(passed, features=_FEATURES):
     return dict(zip(features, tuple(passed) + tuple(features.values())[len(passed):]))
 
 
+def _input_grads(ctx, dq, dk, dv, dsinks):
+    """The gradients of an op's inputs: q, k, v's, the sinks' (in their dtype) at their place."""
+    grads = [dq, dk, dv] + [None] * (ctx.num_inputs - 3)
+    sinks = ctx.features.get("sinks")
+    if sinks is not None:
+        grads[ctx.sinks_index] = dsinks.to(sinks.dtype)
+    return tuple(grads)
+
+
 def _setup_context(ctx, inputs, output):
     q, k, v, softmax_scale, window_left, window_right, arch, deterministic, *rest = inputs
     out, lse = output
     ctx.features = _features(rest)
     ctx.num_inputs = len(inputs)
+    ctx.sinks_index = 8 + list(_FEATURES).index("sinks")
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.softmax_scale = softmax_scale
     ctx.window = (window_left, window_right)
@@ -376,9 +426,9 @@ def _backward_with(bwd):
         if dout is None:
             dout = torch.zeros_like(out)
         run = _bwd if torch.is_grad_enabled() else bwd
-        dq, dk, dv = run(dout, q, k, v, out, lse, ctx.softmax_scale, *ctx.window, ctx.arch,
-                         ctx.deterministic, **ctx.features)
-        return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
+        grads = run(dout, q, k, v, out, lse, ctx.softmax_scale, *ctx.window, ctx.arch, ctx.deterministic,
+                    **ctx.features)
+        return _input_grads(ctx, *grads)
 
     return backward
 
@@ -404,12 +454,12 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, softmax_scale, window_left, window_right, arch, deterministic, softcap,
-                alibi_slopes, dropout_p, rng_state):
+                alibi_slopes, dropout_p, rng_state, sinks):
         out, lse = _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, softcap=softcap,
-                             alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_state=rng_state)
+                             alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_state=rng_state, sinks=sinks)
         _setup_context(
             ctx, (q, k, v, softmax_scale, window_left, window_right, arch, deterministic, softcap,
-                  alibi_slopes, dropout_p, rng_state),
+                  alibi_slopes, dropout_p, rng_state, sinks),
             (out, lse),
         )
         return out, lse
@@ -426,6 +476,10 @@ def _plain_eager(q, k, v):
         and not torch.compiler.is_compiling()
         and torch._C._len_torch_dispatch_stack() == 0
     )
+
+
+def _needs_grad(*tensors):
+    return any(t is not None and t.requires_grad for t in tensors)
 
 
 def _autocast(q, k, v):
@@ -447,7 +501,7 @@ def _dropout_args(dropout_p, device):
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    softcap=0.0, alibi_slopes=None, deterministic=False, return_lse=False):
+                    softcap=0.0, alibi_slopes=None, deterministic=False, return_lse=False, sinks=None):
     """Exact attention with FlashAttention kernels (CUTLASS/CuTe, sm80 and sm90 families).
 
     The arguments are FlashAttention-2's `flash_attn_func`'s, in its order (return_lse in place
@@ -481,22 +535,28 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             bit-identical from run to run (and for a sequence alone or inside a batch); slower
             (up to a quarter of the backward's time; docs/design.md). dK/dV are deterministic either way.
         return_lse: also return the log-sum-exp of the scaled scores.
+        sinks: None, or a (nheads,) floating tensor on q's device: learnable attention sinks
+            (gpt-oss), one logit per query head in the units of the scaled scores, that joins every
+            row's softmax denominator and has no value: out_i = sum_j e^(x_ij) v_j /
+            (e^sinks[h] + sum_j e^(x_ij)). lse includes it; a row that sees no key gets out = 0,
+            lse = sinks[h]. Differentiable (its gradient has the sinks' dtype).
 
     Returns:
         out (batch, seqlen_q, nheads, head_dim), or (out, lse) with lse float32
-        (batch, nheads, seqlen_q). Differentiable with respect to q, k, v (not through lse).
+        (batch, nheads, seqlen_q). Differentiable with respect to q, k, v and sinks (not
+        through lse).
 
     The kernel family is chosen automatically (sm90 kernels on an sm90 GPU when built, else the
     sm80 family); cutlass_flash.force_arch / CUTLASS_FLASH_FORCE_ARCH override it.
     """
     q, k, v = _autocast(q, k, v)
     scale, window_left, window_right = _validate.check_call(
-        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic)
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, sinks)
     args = (q, k, v, scale, window_left, window_right, _dispatch.forced_arch(), deterministic,
-            float(softcap), alibi_slopes, *_dropout_args(dropout_p, q.device))
+            float(softcap), alibi_slopes, *_dropout_args(dropout_p, q.device), sinks)
     if not _plain_eager(q, k, v):
         out, lse = _fwd(*args)
-    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    elif torch.is_grad_enabled() and _needs_grad(q, k, v, sinks):
         out, lse = _EagerAttention.apply(*args)
     else:  # the features by name: _fwd_impl's next positional parameter is varlen
         out, lse = _fwd_impl(*args[:8], **_features(args[8:]))
@@ -530,17 +590,18 @@ def varlen_fwd_op(
     rng_state: Optional[_Tensor] = None,
     seqused_q: Optional[_Tensor] = None,
     seqused_k: Optional[_Tensor] = None,
+    sinks: Optional[_Tensor] = None,
 ) -> tuple[_Tensor, _Tensor]:
     return _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                             softmax_scale, window_left, window_right, arch, softcap=softcap,
                             alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_state=rng_state,
-                            seqused_q=seqused_q, seqused_k=seqused_k)
+                            seqused_q=seqused_q, seqused_k=seqused_k, sinks=sinks)
 
 
 @varlen_fwd_op.register_fake
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                      window_left, window_right, arch, deterministic, softcap=0.0, alibi_slopes=None,
-                     dropout_p=0.0, rng_state=None, seqused_q=None, seqused_k=None):
+                     dropout_p=0.0, rng_state=None, seqused_q=None, seqused_k=None, sinks=None):
     total_q, nheads, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((nheads, total_q), dtype=torch.float32)
 
@@ -568,18 +629,19 @@ def varlen_bwd_op(
     rng_state: Optional[_Tensor] = None,
     seqused_q: Optional[_Tensor] = None,
     seqused_k: Optional[_Tensor] = None,
-) -> tuple[_Tensor, _Tensor, _Tensor]:
-    return _varlen_bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                            max_seqlen_k, softmax_scale, window_left, window_right, arch,
-                            deterministic, softcap=softcap, alibi_slopes=alibi_slopes,
-                            dropout_p=dropout_p, rng_state=rng_state, seqused_q=seqused_q,
-                            seqused_k=seqused_k)
+    sinks: Optional[_Tensor] = None,
+) -> tuple[_Tensor, _Tensor, _Tensor, _Tensor]:
+    return _op_grads(_varlen_bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                      max_seqlen_k, softmax_scale, window_left, window_right, arch,
+                                      deterministic, softcap=softcap, alibi_slopes=alibi_slopes,
+                                      dropout_p=dropout_p, rng_state=rng_state, seqused_q=seqused_q,
+                                      seqused_k=seqused_k, sinks=sinks), q)
 
 
 def _varlen_bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      softmax_scale, window_left, window_right, arch, deterministic, dq=None, dk=None,
                      dv=None, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None,
-                     seqused_q=None, seqused_k=None):
+                     seqused_q=None, seqused_k=None, sinks=None):
     def view(t):
         return None if t is None else t.unsqueeze(0)
 
@@ -587,21 +649,23 @@ def _varlen_bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_se
     grads = _bwd_impl(view(dout), view(q), view(k), view(v), view(out), lse, softmax_scale,
                       window_left, window_right, arch, deterministic, view(dq), view(dk), view(dv),
                       softcap=softcap, varlen=varlen, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                      rng_state=rng_state)
-    return tuple(g.squeeze(0) if d is None else d for g, d in zip(grads, (dq, dk, dv)))
+                      rng_state=rng_state, sinks=sinks)
+    return tuple(g.squeeze(0) if d is None else d for g, d in zip(grads[:3], (dq, dk, dv))) + grads[3:]
 
 
 @varlen_bwd_op.register_fake
 def _varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      softmax_scale, window_left, window_right, arch, deterministic, softcap=0.0,
-                     alibi_slopes=None, dropout_p=0.0, rng_state=None, seqused_q=None, seqused_k=None):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+                     alibi_slopes=None, dropout_p=0.0, rng_state=None, seqused_q=None, seqused_k=None,
+                     sinks=None):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), _dsinks_fake(q, sinks)
 
 
 def _varlen_setup_context(ctx, inputs, output):
     q, k, v, cu_q, cu_k, max_q, max_k, scale, wl, wr, arch, deterministic, *rest = inputs
     out, lse = output
     ctx.num_inputs = len(inputs)
+    ctx.sinks_index = 12 + list(_VARLEN_FEATURES).index("sinks")
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
     ctx.scalars = (max_q, max_k, scale, wl, wr, arch, deterministic)
     ctx.features = _features(rest, _VARLEN_FEATURES)  # seqused too: the backward sees the same rows
@@ -616,8 +680,7 @@ def _varlen_backward_with(bwd):
         if dout is None:
             dout = torch.zeros_like(out)
         run = _varlen_bwd if torch.is_grad_enabled() else bwd
-        dq, dk, dv = run(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.scalars, **ctx.features)
-        return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
+        return _input_grads(ctx, *run(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.scalars, **ctx.features))
 
     return backward
 
@@ -633,9 +696,9 @@ class _EagerVarlenAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, arch,
-                deterministic, softcap, alibi_slopes, dropout_p, rng_state, seqused_q, seqused_k):
+                deterministic, softcap, alibi_slopes, dropout_p, rng_state, seqused_q, seqused_k, sinks):
         inputs = (q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, arch,
-                  deterministic, softcap, alibi_slopes, dropout_p, rng_state, seqused_q, seqused_k)
+                  deterministic, softcap, alibi_slopes, dropout_p, rng_state, seqused_q, seqused_k, sinks)
         out, lse = _varlen_fwd_impl(*inputs)
         _varlen_setup_context(ctx, inputs, (out, lse))
         return out, lse
@@ -645,18 +708,18 @@ class _EagerVarlenAttention(torch.autograd.Function):
 
 def _varlen_fwd_impl(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, arch,
                      deterministic=False, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None,
-                     seqused_q=None, seqused_k=None):
+                     seqused_q=None, seqused_k=None, sinks=None):
     out, lse = _fwd_impl(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), softmax_scale, window_left,
                          window_right, arch, softcap=softcap,
                          varlen=(cu_q, cu_k, max_q, max_k, seqused_q, seqused_k),
-                         alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_state=rng_state)
+                         alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_state=rng_state, sinks=sinks)
     return out.squeeze(0), lse
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False, return_lse=False,
-                           seqused_q=None, seqused_k=None):
+                           seqused_q=None, seqused_k=None, sinks=None):
     """flash_attn_func on a packed batch of sequences of different lengths (FlashAttention-2's
     flash_attn_varlen_func, same arguments in its order, return_lse in place of
     return_attn_probs; then FlashAttention-3's seqused_q / seqused_k).
@@ -675,6 +738,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             [cu_seqlens[b], cu_seqlens[b + 1]) on that side (clamped to the slot; negative counts
             as 0), and max_seqlen bounds these used lengths. The slot's other rows belong to no
             sequence: out and the gradients are 0 there, lse +inf.
+        sinks: as flash_attn_func's (one logit per head, shared by the batch's sequences).
 
     Returns:
         out (total_q, nheads, head_dim), or (out, lse) with lse float32 (nheads, total_q).
@@ -688,13 +752,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     q, k, v = _autocast(q, k, v)
     scale, window_left, window_right, max_seqlen_q, max_seqlen_k = _validate.check_varlen_call(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-        causal, window_size, softcap, alibi_slopes, deterministic, seqused_q, seqused_k)
+        causal, window_size, softcap, alibi_slopes, deterministic, seqused_q, seqused_k, sinks)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
             window_right, _dispatch.forced_arch(), deterministic, float(softcap), alibi_slopes,
-            *_dropout_args(dropout_p, q.device), seqused_q, seqused_k)
+            *_dropout_args(dropout_p, q.device), seqused_q, seqused_k, sinks)
     if not _plain_eager(q, k, v):
         out, lse = _varlen_fwd(*args)
-    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    elif torch.is_grad_enabled() and _needs_grad(q, k, v, sinks):
         out, lse = _EagerVarlenAttention.apply(*args)
     else:
         out, lse = _varlen_fwd_impl(*args)

@@ -283,6 +283,20 @@ def check_alibi(alibi_slopes, batch, nheads, device):
         raise ValueError("alibi_slopes must have a contiguous last dimension; pass alibi_slopes.contiguous()")
 
 
+def check_sinks(sinks, nheads, device):
+    """sinks: None, or a floating (nheads,) tensor on q's device (attention-sink logits)."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be None or a tensor of shape ({nheads},), got {type(sinks).__name__}")
+    if sinks.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"sinks must be float32, float16 or bfloat16, got {sinks.dtype}")
+    if tuple(sinks.shape) != (nheads,):
+        raise ValueError(f"sinks must have shape ({nheads},) (one logit per head of q), got {tuple(sinks.shape)}")
+    if sinks.device != device:
+        raise ValueError(f"sinks must be on q's device {device}, got {sinks.device}")
+
+
 def check_family_features(arch, direction, head_dim, softcap, alibi_slopes):
     """Feature combinations a family's kernels have no path for at (padded) head_dim (the
     generator's SOFTCAP_ALIBI), after _dispatch.features_head_dim moved the call to a larger head
@@ -340,7 +354,7 @@ def check_features(dropout_p, softcap, alibi_slopes, deterministic, batch, nhead
 
 
 def check_call(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-               deterministic):
+               deterministic, sinks=None):
     """The checks of a FlashAttention-2-style call (flash_attn_func and the low-level pair), in
     order: inputs, softmax_scale, mask, the features without a kernel path, deterministic.
     Returns (softmax_scale, window_left, window_right) as the kernels take them."""
@@ -348,6 +362,7 @@ def check_call(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
     scale = check_softmax_scale(softmax_scale, q.shape[3])
     window_left, window_right = check_mask(causal, window_size, k.shape[1])
     check_features(dropout_p, softcap, alibi_slopes, deterministic, q.shape[0], q.shape[2], q.device)
+    check_sinks(sinks, q.shape[2], q.device)
     return scale, window_left, window_right
 
 
@@ -442,7 +457,7 @@ def check_cu_seqlens_content(name, cu, total, max_seqlen, used_name=None, used=N
 
 def check_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                       softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                      seqused_q=None, seqused_k=None):
+                      seqused_q=None, seqused_k=None, sinks=None):
     """The checks of flash_attn_varlen_func: q (total_q, nheads, head_dim), k and v (total_k,
     nheads_kv, head_dim), cu_seqlens int32 (batch + 1,), seqused None or int32 (batch,). Returns
     (softmax_scale, window_left, window_right, max_seqlen_q, max_seqlen_k) as the kernels take
@@ -464,6 +479,7 @@ def check_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     window_left, window_right = check_mask(causal, window_size, max(max_seqlen_k, 1))
     check_features(dropout_p, softcap, alibi_slopes, deterministic, cu_seqlens_q.shape[0] - 1, q.shape[1],
                    q.device)
+    check_sinks(sinks, q.shape[1], q.device)
     if os.environ.get(CHECK_CU_SEQLENS_ENV, "0") not in ("", "0"):
         check_cu_seqlens_content("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "seqused_q", seqused_q)
         check_cu_seqlens_content("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "seqused_k", seqused_k)
@@ -606,7 +622,8 @@ def check_limits(seqlen_q, seqlen_k, nheads, batch=None, total_q=None, total_k=N
                          f"than the kernels' {MAX_TILES} tiles per launch")
 
 
-def check_op_features(q, batch, alibi_slopes, dropout_p, rng_state, varlen=None, lse=None, lse_shape=None):
+def check_op_features(q, batch, alibi_slopes, dropout_p, rng_state, varlen=None, lse=None, lse_shape=None,
+                      sinks=None):
     """The ops' checks of their other tensor arguments (the public functions check them too, but
     an op may be called directly, and the kernels read these through raw pointers): alibi_slopes,
     rng_state, the packed batch's cu_seqlens / seqused, the backward's lse. ``q``: the 4-D query
@@ -616,6 +633,7 @@ def check_op_features(q, batch, alibi_slopes, dropout_p, rng_state, varlen=None,
         check_alibi(alibi_slopes, batch, q.shape[2], device)
     if dropout_p:
         check_rng_state(rng_state, dropout_p, device)
+    check_sinks(sinks, q.shape[2], device)
     if varlen is not None:
         cu_q, cu_k, _, _, used_q, used_k = varlen
         _check_cu_seqlens("cu_seqlens_q", cu_q, None, device)

@@ -94,11 +94,11 @@ def _eager_flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, drop
                                               (window_size_left, window_size_right), softcap,
                                               alibi_slopes, deterministic)
     _check_backward_args(q, k, v, dout, out, dq, dk, dv, dropout_p, rng_state)
-    dq, dk, dv = _ops._bwd_impl(dout.detach(), q.detach(), k.detach(), v.detach(), out.detach(),
-                                softmax_lse, scale, left, right, _dispatch.forced_arch(),
-                                deterministic, dq, dk, dv, softcap=float(softcap),
-                                alibi_slopes=alibi_slopes, dropout_p=float(dropout_p),
-                                rng_state=rng_state if dropout_p > 0 else None)
+    dq, dk, dv, _ = _ops._bwd_impl(dout.detach(), q.detach(), k.detach(), v.detach(), out.detach(),
+                                   softmax_lse, scale, left, right, _dispatch.forced_arch(),
+                                   deterministic, dq, dk, dv, softcap=float(softcap),
+                                   alibi_slopes=alibi_slopes, dropout_p=float(dropout_p),
+                                   rng_state=rng_state if dropout_p > 0 else None)
     batch, seqlen_q, nheads, _ = q.shape
     rounded = -(-seqlen_q // _SOFTMAX_D_PAD) * _SOFTMAX_D_PAD
     softmax_d = torch.zeros((batch, nheads, rounded), dtype=torch.float32, device=q.device)

@@ -48,7 +48,7 @@ def alibi_bias(slopes, batch, nheads, seqlen_q, seqlen_k, device, dtype):
 
 
 def attention_ref(q, k, v, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None,
-                  dropout_p=0.0, keep=None):
+                  dropout_p=0.0, keep=None, sinks=None):
     """Returns (out, lse) computed in q's dtype. keep: bool (batch, nheads, seqlen_q, seqlen_k),
     dropout's mask (cutlass_flash.dropout.keep_mask): P is multiplied by keep times the scale the
     kernels apply (keep_scale: 1 / the keep rate, 1 / (1 - dropout_p) to 1/256)
@@ -56,6 +56,8 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, window=(-1, -1), so
 
     q: (batch, seqlen_q, nheads, d); k, v: (batch, seqlen_k, nheads_kv, d). out: like q.
     lse: (batch, nheads, seqlen_q), +inf for rows that see no key (whose out is 0), as the kernels.
+    sinks: (nheads,) attention-sink logits, as gpt-oss's eager attention: a column of the scaled
+    scores that joins the softmax and is dropped after it (a row with no key: out 0, lse the sink).
     """
     batch, seqlen_q, nheads, d = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
@@ -75,8 +77,14 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, window=(-1, -1), so
         empty_rows = ~allowed.any(dim=-1)  # (seqlen_q,)
     else:
         empty_rows = None
+    if sinks is not None:
+        column = sinks.to(scores.dtype).view(1, nheads, 1, 1).expand(batch, nheads, seqlen_q, 1)
+        scores = torch.cat([scores, column], dim=-1)
+        empty_rows = None  # the sink is always there
     lse = torch.logsumexp(scores, dim=-1)
     attn = torch.softmax(scores, dim=-1)
+    if sinks is not None:
+        attn = attn[..., :-1]
     if empty_rows is not None:  # (no data-dependent branch: keeps CUDA graph capture working)
         attn = attn.masked_fill(empty_rows.view(-1, 1), 0.0)
         lse = lse.masked_fill(empty_rows, float("inf"))
@@ -87,16 +95,20 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, window=(-1, -1), so
 
 
 def reference_outputs(q, k, v, dout, causal=False, softmax_scale=None, dtype=None, window=(-1, -1),
-                      softcap=0.0, alibi_slopes=None, dropout_p=0.0, keep=None):
+                      softcap=0.0, alibi_slopes=None, dropout_p=0.0, keep=None, sinks=None):
     """(out, lse, dq, dk, dv) of attention_ref on detached copies of q, k, v cast to ``dtype``
-    (default: their own), with gradients for ``dout``. ``window``: (left, right) as the kernels
+    (default: their own), with gradients for ``dout``; with ``sinks``, dsinks after them (the sinks
+    in float32, as the kernels read them, then cast). ``window``: (left, right) as the kernels
     take it (causal=True overrides it with (-1, 0))."""
     dtype = q.dtype if dtype is None else dtype
     leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-    out, lse = attention_ref(*leaves, causal=causal, softmax_scale=softmax_scale, window=window,
-                             softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, keep=keep)
-    dq, dk, dv = torch.autograd.grad(out, leaves, dout.to(dtype))
-    return out.detach(), lse.detach(), dq, dk, dv
+    if sinks is not None:
+        leaves.append(sinks.detach().float().to(dtype).requires_grad_())
+    out, lse = attention_ref(*leaves[:3], causal=causal, softmax_scale=softmax_scale, window=window,
+                             softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, keep=keep,
+                             sinks=leaves[3] if sinks is not None else None)
+    grads = torch.autograd.grad(out, leaves, dout.to(dtype))
+    return (out.detach(), lse.detach()) + tuple(grads)
 
 
 # The slack of the rule. Gradients get more: with seqlen_k = 1 the softmax is constant, the exact
@@ -107,12 +119,13 @@ def reference_outputs(q, k, v, dout, causal=False, softmax_scale=None, dtype=Non
 # errors of random sign grow like the square root of their count, so the gradients' slack is
 # 1e-4 at up to 1024 rows of d = 128 and grows as sqrt(rows * head_dim) beyond (`slack`).
 # Typical bf16 gradient errors are ~1e-2, far above it, where the rule's main term decides.
-SLACK = {"out": 1e-5, "lse": 1e-5, "dq": 1e-4, "dk": 1e-4, "dv": 1e-4}
+# dsinks sums a term per query row of each head (common/bwd_preprocess.h): the gradients' slack.
+SLACK = {"out": 1e-5, "lse": 1e-5, "dq": 1e-4, "dk": 1e-4, "dv": 1e-4, "dsinks": 1e-4}
 
 
 def slack(name, rows_per_key, head_dim):
     """SLACK[name], scaled for gradients summed over more than 1024 rows of head_dim 128."""
-    if name not in ("dq", "dk", "dv"):
+    if name not in ("dq", "dk", "dv", "dsinks"):
         return SLACK[name]
     return SLACK[name] * max(1.0, (rows_per_key * head_dim / (1024 * 128)) ** 0.5)
 

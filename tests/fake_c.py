@@ -105,21 +105,32 @@ class FakeC:
         keep_all = self._keep(p)
         for b, (sq, sk, lse_b) in enumerate(self._sequences(p, lse)):
             keep = self._sequence_keep(p, keep_all, b, Q[sq].shape[1], K[sk].shape[1])
-            if K[sk].shape[1] == 0:  # a sequence without keys: its rows see none
+            sinks = self._sinks(p)
+            if K[sk].shape[1] == 0:  # a sequence without keys: its rows see none (or only the sink)
                 Out[sq].zero_()
-                lse_b.fill_(float("inf"))
+                lse_b.copy_(sinks.view(1, -1, 1).expand_as(lse_b) if sinks is not None else float("inf"))
                 continue
             out, lse_ref = attention_ref(
                 Q[sq].double(), K[sk].double(), V[sk].double(), softmax_scale=p["softmax_scale"],
                 window=(p["window_left"], p["window_right"]), softcap=p["softcap"],
-                alibi_slopes=self._slopes(p, b), dropout_p=p["dropout_p"], keep=keep,
+                alibi_slopes=self._slopes(p, b), dropout_p=p["dropout_p"], keep=keep, sinks=sinks,
             )
             Out[sq].copy_(out)
             lse_b.copy_(lse_ref)
         self._padding(p, (Out,), (), lse)
 
-    def bwd(self, q, k, v, o, dout, lse_ptr, dq, dk, dv, workspace_ptr, deterministic, **kw):
+    def bwd(self, q, k, v, o, dout, lse_ptr, dq, dk, dv, workspace_ptr, deterministic, dsink_rows_ptr=0, **kw):
         p = self._problem("bwd", kw)
+        if dsink_rows_ptr:
+            assert p["sinks"], "dsink_rows needs sinks"
+            # Each row's share of dsinks, -exp(sink - lse) * rowsum(dout * out), laid out as lse.
+            sinks = self._sinks(p).view(1, -1, 1).double()
+            lse_all, rows = self._lse(p, lse_ptr), self._lse(p, dsink_rows_ptr)
+            Oa, dOa = self._tensors(p, DTYPES[p["dtype"]], o=o, dout=dout)
+            for sq, _, lse_b in self._sequences(p, lse_all):
+                d_row = (dOa[sq].double() * Oa[sq].double()).sum(-1).transpose(1, 2)
+                r = slice(None) if sq == slice(None) else sq[1]
+                rows[:, :, r] = (-torch.exp(sinks - lse_b.double()) * d_row).float()
         assert isinstance(deterministic, bool)
         dtype = DTYPES[p["dtype"]]
         Q, K, V, O, dO, dQ, dK, dV = self._tensors(
@@ -210,6 +221,10 @@ class FakeC:
         B, Sk, H, D = gk.shape
         return gq, gk.view(B, Sk, H // group, group, D).sum(3), gv.view(B, Sk, H // group, group, D).sum(3)
 
+    def _sinks(self, p):
+        """The float32 (nheads,) sink logits the kernels read; None when off."""
+        return _raw(p["sinks"], (p["nheads"],), (1,), torch.float32, self.device) if p["sinks"] else None
+
     def _lse(self, p, ptr):
         """The LSE the kernels read or write: (batch, nheads, seqlen_q), or (1, nheads,
         total_q) for a variable-length batch (FlashAttention-2's (nheads, total_q))."""
@@ -266,7 +281,7 @@ class FakeC:
     # The binding's variable-length keywords and their defaults (a dense batch).
     _VARLEN_KEYS = {"cu_seqlens_q": 0, "cu_seqlens_k": 0, "total_q": 0, "total_k": 0,
                     "alibi_slopes": 0, "alibi_batch_stride": 0, "dropout_p": 0.0, "rng_state": 0,
-                    "seqused_q": 0, "seqused_k": 0, "head_dim_real": 0}
+                    "seqused_q": 0, "seqused_k": 0, "head_dim_real": 0, "sinks": 0}
 
     def _problem(self, direction, kw, check_built=True):
         kw = dict(kw)

@@ -35,7 +35,7 @@ def test_meta_shapes(shape, dtype):
     b, sq, sk, h, hkv, d = shape
     assert out.shape == q.shape and out.dtype == dtype and out.device.type == "meta"
     assert lse.shape == (b, h, sq) and lse.dtype == torch.float32
-    dq, dk, dv = torch.ops.cutlass_flash.bwd(out, q, k, v, out, lse, 0.125, -1, 0, 0, False)
+    dq, dk, dv, _ = torch.ops.cutlass_flash.bwd(out, q, k, v, out, lse, 0.125, -1, 0, 0, False)
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
     assert {dq.dtype, dk.dtype, dv.dtype} == {dtype}
 
@@ -46,7 +46,7 @@ def test_fake_tensor_mode_cuda(shape):
     with FakeTensorMode():
         q, k, v = _meta_inputs(shape, torch.bfloat16, device="cuda")
         out, lse = torch.ops.cutlass_flash.fwd(q, k, v, 0.125, -1, -1, 80, False)
-        dq, dk, dv = torch.ops.cutlass_flash.bwd(out, q, k, v, out, lse, 0.125, -1, -1, 80, False)
+        dq, dk, dv, _ = torch.ops.cutlass_flash.bwd(out, q, k, v, out, lse, 0.125, -1, -1, 80, False)
     assert out.device.type == "cuda" and lse.device.type == "cuda"
     assert out.shape == q.shape and lse.shape == (shape[0], shape[3], shape[1])
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)

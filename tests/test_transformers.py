@@ -1,6 +1,7 @@
 """Hugging Face transformers: attn_implementation="cutlass_flash" against transformers' own
 sdpa / eager attention on tiny random-weight models built from its classes (Llama; Mistral with a
-sliding window; Gemma 2 with softcap and alternating sliding layers), for padded batches, packed
+sliding window; Gemma 2 with softcap and alternating sliding layers; gpt-oss with attention sinks and
+alternating sliding layers), for padded batches, packed
 (padding-free) batches, a short training run, and attention dropout in training. On CPU the
 kernels are the fake binding's float64 stand-in (the integration's unpad / pad / packing /
 argument plumbing); on the GPU the kernels."""
@@ -32,11 +33,15 @@ def _config(kind):
         return transformers.Gemma2Config(**common, head_dim=HEAD_DIM, sliding_window=8,
                                          attn_logit_softcapping=20.0, final_logit_softcapping=None,
                                          query_pre_attn_scalar=16)
+    if kind == "gpt_oss":
+        return transformers.GptOssConfig(**common, head_dim=HEAD_DIM, sliding_window=8, num_local_experts=4,
+                                         num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"])
     raise ValueError(kind)
 
 
-# sdpa has no softcap: Gemma 2's reference is eager.
-REFERENCE = {"llama": "sdpa", "mistral": "sdpa", "gemma2": "eager"}
+# sdpa has no softcap: Gemma 2's reference is eager; gpt-oss's attention sinks are eager's only.
+REFERENCE = {"llama": "sdpa", "mistral": "sdpa", "gemma2": "eager", "gpt_oss": "eager"}
+KINDS = list(REFERENCE)
 
 
 def _models(kind, device, dtype=torch.bfloat16):
@@ -130,7 +135,7 @@ def test_registered(fake_backend):
     assert model.config._attn_implementation == hf.NAME
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("left_pad", [False, True], ids=["right_pad", "left_pad"])
 def test_padded_batch_fake(fake_backend, kind, left_pad):
     _check_padded(kind, "cpu", left_pad)
@@ -139,7 +144,7 @@ def test_padded_batch_fake(fake_backend, kind, left_pad):
     assert any(p.get("cu_seqlens_q") for _, _, p in fake_backend.calls)
 
 
-@pytest.mark.parametrize("kind", ["llama", "gemma2"])
+@pytest.mark.parametrize("kind", ["llama", "gemma2", "gpt_oss"])
 def test_packed_batch_fake(fake_backend, kind):
     _check_packed(kind, "cpu")
     assert any(p.get("cu_seqlens_q") for _, _, p in fake_backend.calls)
@@ -192,7 +197,7 @@ def test_attention_dropout_fake(fake_backend):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("left_pad", [False, True], ids=["right_pad", "left_pad"])
 def test_padded_batch(kind, left_pad):
     skip_unless_auto_built(HEAD_DIM, "bf16")
@@ -200,7 +205,7 @@ def test_padded_batch(kind, left_pad):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_packed_batch(kind):
     skip_unless_auto_built(HEAD_DIM, "bf16")
     _check_packed(kind, "cuda")
@@ -213,7 +218,7 @@ def test_attention_dropout():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_training(kind):
     """30 training steps: our loss curve matches transformers' own attention's."""
     skip_unless_auto_built(HEAD_DIM, "bf16")
@@ -276,3 +281,55 @@ def test_gemma2_softcap_is_checked_fake(fake_backend, monkeypatch):
 def test_gemma2_softcap_is_checked(monkeypatch):
     skip_unless_auto_built(HEAD_DIM, "bf16")
     _check_gemma2_softcap("cuda", monkeypatch)
+
+
+# -- Attention sinks that matter (gpt-oss), checked as softcap is -----------------------------------
+
+SINK = 2.0  # every head's sink logit: e^2 against the ~e^0 of each of 24 keys takes a fifth of P
+
+
+def _gpt_oss_sink_errors(device, monkeypatch=None, broken=False):
+    """(max |ours - eager|, max |eager without sinks - eager|) of gpt-oss's logits with sinks set to
+    SINK. ``broken``: our functions with the sinks dropped (a stand-in that ignores them)."""
+    torch.manual_seed(0)
+    ours = transformers.AutoModelForCausalLM.from_config(_config("gpt_oss"), attn_implementation=hf.NAME)
+    with torch.no_grad():
+        for layer in ours.model.layers:
+            layer.self_attn.sinks.fill_(SINK)
+    ours = ours.to(device=device, dtype=torch.bfloat16).eval()
+    ref = transformers.AutoModelForCausalLM.from_config(_config("gpt_oss"), attn_implementation="eager")
+    nosink = transformers.AutoModelForCausalLM.from_config(_config("gpt_oss"), attn_implementation="eager")
+    ref.load_state_dict(ours.state_dict())
+    nosink.load_state_dict(ours.state_dict())
+    with torch.no_grad():
+        for layer in nosink.model.layers:
+            layer.self_attn.sinks.fill_(float("-inf"))  # e^-inf = 0: no sink
+    ref, nosink = (m.to(device=device, dtype=torch.bfloat16).eval() for m in (ref, nosink))
+    if broken:
+        from cutlass_flash import _ops
+
+        real = _ops._fwd_impl
+        monkeypatch.setattr(_ops, "_fwd_impl", lambda *a, **kw: real(*a, **{**kw, "sinks": None}))
+    ids, _ = _batch(device, lengths=(24, 24))
+    with torch.no_grad():
+        a, b, c = (m(input_ids=ids).logits.float() for m in (ours, ref, nosink))
+    return (a - b).abs().max().item(), (c - b).abs().max().item()
+
+
+def _check_gpt_oss_sinks(device, monkeypatch):
+    err, effect = _gpt_oss_sink_errors(device)
+    assert effect > 0.1, f"the sinks barely change these logits ({effect:.3g}): the check could not fail"
+    assert err <= 0.2 * effect, f"max |ours - eager| = {err:.3g} against the sinks' effect {effect:.3g}"
+    broken, _ = _gpt_oss_sink_errors(device, monkeypatch, broken=True)
+    assert broken > 0.2 * effect, f"the sink-ignoring stand-in passed ({broken:.3g} <= 0.2 x {effect:.3g})"
+
+
+def test_gpt_oss_sinks_are_checked_fake(fake_backend, monkeypatch):
+    _check_gpt_oss_sinks("cpu", monkeypatch)
+    assert any(p.get("sinks") for _, _, p in fake_backend.calls), "the sinks never reached the kernels"
+
+
+@pytest.mark.gpu
+def test_gpt_oss_sinks_are_checked(monkeypatch):
+    skip_unless_auto_built(HEAD_DIM, "bf16")
+    _check_gpt_oss_sinks("cuda", monkeypatch)

@@ -216,6 +216,8 @@ Status check_problem(const AttnProblem& p, int arch, Direction dir) {
   if (reinterpret_cast<uintptr_t>(p.alibi_slopes) % alignof(float) != 0 || p.alibi_batch_stride < 0)
     return make(Status::kInvalidArgument,
                 prefix(dir) + "alibi_slopes must be a 4-byte aligned float32 array with a batch stride >= 0");
+  if (reinterpret_cast<uintptr_t>(p.sinks) % alignof(float) != 0)
+    return make(Status::kInvalidArgument, prefix(dir) + "sinks must be a 4-byte aligned float32 array (nheads)");
   if (!(p.dropout_p >= 0.f && p.dropout_p < 1.f))
     return make(Status::kInvalidArgument, prefix(dir) + "dropout_p must be in [0, 1)");
   if (p.dropout_p > 0.f && (p.rng_state == nullptr || reinterpret_cast<uintptr_t>(p.rng_state) % 16 != 0))
@@ -303,6 +305,9 @@ Status run_bwd(const BwdParams& params, int arch, cudaStream_t stream) {
         dispatch::check_tensor(dir, "dk", params.dk, p, dispatch::rows_k(p), p.nheads_kv),
         dispatch::check_tensor(dir, "dv", params.dv, p, dispatch::rows_k(p), p.nheads_kv),
         dispatch::check_scalar_ptr(dir, "workspace", params.workspace, 256),
+        params.dsink_rows == nullptr ? Status::Ok()
+        : p.sinks == nullptr ? dispatch::make(Status::kInvalidArgument, dispatch::prefix(dir) + "dsink_rows needs sinks")
+                             : dispatch::check_scalar_ptr(dir, "dsink_rows", params.dsink_rows, alignof(float)),
     };
   }, &dispatch::Entry::bwd);
 }

@@ -64,6 +64,11 @@ struct AttnProblem {
   // the values its capture's generator call writes there). dropout_p = 0: off, rng_state unused.
   float dropout_p = 0.f;
   const uint64_t* rng_state = nullptr;
+  // Attention sinks (gpt-oss): float32, one logit per query head, in the units of the scaled
+  // scores, that joins every row's softmax denominator with no value: out = sum_j e^(x_j) v_j /
+  // (e^sink + sum_j e^(x_j)), and the LSE includes it (a row that sees no key gets out = 0 and
+  // lse = sink). Null: off.
+  const float* sinks = nullptr;
   DType dtype = DType::kBFloat16;
   // Variable-length batches: batch + 1 int32 offsets each (both or neither), and the rows of the
   // packed tensors.
@@ -107,6 +112,11 @@ struct BwdParams {
   // dQ accumulated in a fixed order (bit-identical results run to run); otherwise in the order
   // blocks finish, which is faster.
   bool deterministic = false;
+  // With problem.sinks: output, laid out as lse; each query row's part of the sink's gradient,
+  // -exp(sink - lse) * rowsum(dout * out). The caller sums it over the rows of each head, in a
+  // fixed order, so dsinks is as deterministic as the rest. Rows of no sequence (seqused) are not written. May be
+  // null (no sink gradient).
+  float* dsink_rows = nullptr;
 };
 
 }  // namespace cutlass_flash

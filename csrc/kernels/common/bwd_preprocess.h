@@ -108,6 +108,10 @@ __global__ void __launch_bounds__(BwdPreprocess::kWarps * 32)
       if (chunk == 0) {
         dpsum[bh_row + row] = acc;
         lse_log2[bh_row + row] = row < seq.seqlen_q ? lse[row] * float(M_LOG2E) : INFINITY;
+        // The sink's share of the row, P_sink = exp(sink - lse), has no value, so its dP is 0 and
+        // dS_sink = P_sink (0 - D).
+        if (params.dsink_rows != nullptr && row < seq.seqlen_q)
+          params.dsink_rows[seq.lse_row(p, head) + row] = -expf(p.sinks[head] - lse[row]) * acc;
       }
     }
   }

@@ -14,7 +14,9 @@
 // ScorePolicy<Features> is built once per tile from (params, batch, head) and holds the order the
 // math needs, written once for every mainloop: before the softmax, tanh (softcap) -> bias (ALiBi)
 // -> mask (tanh(-inf) would be -1; the bias is measured from the mask's diagonal); after it,
-// dropout on P; in the backward, dS = P (dP - D) with dropout's and tanh's factors.
+// dropout on P; in the backward, dS = P (dP - D) with dropout's and tanh's factors. Attention sinks
+// join the softmax's denominator at its end (finalize); the backward needs nothing else of them
+// (the LSE includes the sink), but their own gradient (common/bwd_preprocess.h).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -72,6 +74,14 @@ struct ScorePolicy {
   // What the kept probabilities are multiplied by (O, dV, dP): 1 / keep rate under dropout.
   __host__ __device__ static float keep_scale(const AttnProblem& p) {
     return Features::kDropout ? Dropout::keep_scale(p) : 1.f;
+  }
+
+  // The softmax's last step (OnlineSoftmax::finalize) with the call's scales and attention sink
+  // (AttnProblem::sinks, one logit per query head). Static and given the head so that a kernel
+  // holds nothing of the policy across its mainloop for it.
+  template <typename Softmax, typename TensorO, typename TensorL>
+  __device__ static void finalize(Softmax& softmax, TensorO& acc_o, TensorL& lse, const AttnProblem& p, int head) {
+    softmax.finalize(acc_o, lse, softmax_scale(p), keep_scale(p), p.sinks != nullptr ? p.sinks[head] : -INFINITY);
   }
 
   // tanh -> bias -> mask on a tile of raw scores s (q.k), in place. coords: each score's (row, col)

@@ -168,15 +168,27 @@ struct OnlineSoftmax {
 
   // Normalises acc_o (times o_scale: dropout's 1 / (1 - p)) and returns the per-row log-sum-exp
   // (natural log) in `lse`. Rows that saw no key (sum 0) get out = 0 and lse = +inf, as
-  // FlashAttention does.
+  // FlashAttention does. sink (natural log units, -inf: none): one more term of every row's
+  // denominator, e^sink, with no value (attention sinks); the row's offset moves to the sink where
+  // the sink is larger, so neither term overflows. A row with no key then gets lse = sink.
   template <typename TensorO, typename TensorL>
-  __device__ __forceinline__ void finalize(TensorO& acc_o, TensorL& lse, float softmax_scale, float o_scale) {
+  __device__ __forceinline__ void finalize(TensorO& acc_o, TensorL& lse, float softmax_scale, float o_scale,
+                                           float sink = -INFINITY) {
     CUTE_UNROLL
     for (int mi = 0; mi < kNRows; ++mi) {
-      const float sum = quad_allreduce(row_sum(mi), SumOp{});
+      float sum = quad_allreduce(row_sum(mi), SumOp{});
       const bool empty = sum == 0.f || sum != sum;
-      const float inv = empty ? 1.f : o_scale / sum;
-      lse(mi) = empty ? INFINITY : row_max(mi) * softmax_scale + logf(sum);
+      float offset = row_max(mi) * softmax_scale, factor = o_scale;
+      if (sink != -INFINITY) {
+        const float top = empty ? sink : fmaxf(offset, sink);
+        const float kept = empty ? 0.f : expf(offset - top);
+        sum = (empty ? 0.f : sum * kept) + expf(sink - top);
+        factor *= kept;
+        offset = top;
+      }
+      const bool none = sink == -INFINITY && empty;
+      const float inv = none ? 1.f : factor / sum;
+      lse(mi) = none ? INFINITY : offset + logf(sum);
       CUTE_UNROLL
       for (int di = 0; di < cute::size<1>(acc_o); ++di) acc_o(mi, di) *= inv;
     }

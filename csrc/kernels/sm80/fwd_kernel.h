@@ -54,15 +54,14 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
   Tensor acc_o = partition_fragment_C(typename Traits::TiledMma{}, Shape<Int<kBlockM>, Int<kHeadDim>>{});
   clear(acc_o);
   Tensor lse = make_tensor<float>(Shape<Int<kRows>>{});
-  if (n_min < n_max) {
-    using Score = typename Mainloop::Score;
-    typename Mainloop::template Softmax<kRows> softmax(Score::scale_log2(p));
+  using Score = typename Mainloop::Score;
+  typename Mainloop::template Softmax<kRows> softmax(Score::scale_log2(p));
+  // No key visible to any row of this block (n_min == n_max): O = 0 and LSE = +inf (or the sink),
+  // finalize's empty rows.
+  if (n_min < n_max)
     Mainloop::run(gQ, gK, gV, smem, p, Score(p, mask, tile.batch, head), m_block, n_min, n_max, acc_o, softmax);
-    Tensor o_rc = rowcol_view(acc_o);
-    softmax.finalize(o_rc, lse, Score::softmax_scale(p), Score::keep_scale(p));
-  } else {
-    fill(lse, INFINITY);  // no key visible to any row of this block: O = 0, LSE = +inf
-  }
+  Tensor o_rc = rowcol_view(acc_o);
+  Score::finalize(softmax, o_rc, lse, p, head);
 
   float* lse_out = params.lse + seq.lse_row(p, head) + m_block * kBlockM;
   Epilogue::store(acc_o, lse, gO, lse_out, smem, seq.seqlen_q - m_block * kBlockM, tile_cols<Traits::kNarrow>(p));

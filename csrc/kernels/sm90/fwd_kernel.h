@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
       else
         Mainloop::release_q(shared);
       Tensor lse = make_tensor<float>(Shape<Int<decltype(size<0>(acc_o_rc))::value>>{});
-      softmax.finalize(acc_o_rc, lse, Score::softmax_scale(p), Score::keep_scale(p));
+      Score::finalize(softmax, acc_o_rc, lse, p, tile.head);
       Epilogue::store(params, shared, tile, acc_o, lse);
     }
     Epilogue::finish(tid);
