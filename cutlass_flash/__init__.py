@@ -25,6 +25,9 @@ from ._dispatch import (
     padded_head_dim,
 )
 from ._ops import flash_attn_func, flash_attn_varlen_func
+from . import sdpa
+
+sdpa.register()  # torch.nn.attention.activate_flash_attention_impl("cutlass_flash") opts in
 
 
 def _version():

@@ -151,7 +151,7 @@ def _launches(varlen, alibi_slopes, rng_state, *tensors):
         if rng_state is not None and b0:
             rng = rng_state.clone()
             rng[1] += b0  # on the device: no copy from the host, no synchronisation
-        yield tuple(t[b0:b1] for t in tensors), slopes, rng
+        yield tuple(None if t is None else t[b0:b1] for t in tensors), slopes, rng
 
 
 def _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, deterministic=False, softcap=0.0,

@@ -1,0 +1,225 @@
+"""One long sequence over several GPUs, on our kernels, through two engines:
+
+- PyTorch's context parallelism (torch.distributed.tensor.experimental.context_parallel) with
+  cutlass_flash active as SDPA's flash implementation (cutlass_flash.sdpa), against the same with
+  PyTorch's own flash kernels;
+- ring-flash-attn's zigzag ring (PyPI ring-flash-attn) on our kernels
+  (cutlass_flash.integrations.ring_flash_attn).
+
+    torchrun --nproc-per-node 2 benchmarks/context_parallel.py --out results/
+
+First the check: out and the gradients of q, k, v of each engine, unsharded, against the float64
+reference by the accuracy rule (beside our single-GPU op), causal and not, MHA and GQA. Then the
+speed of forward + backward (bf16, head dim 128, causal) at each --seqlens: our single-GPU op,
+each engine, their speed-up over one GPU and their peak memory per GPU against the single-GPU run.
+Writes context-parallel.md to --out (rank 0).
+"""
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn import attention
+
+import cutlass_flash
+from cutlass_flash.integrations.ring_flash_attn import install
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from attn_ref import assert_within_tolerance, reference_outputs, slack  # noqa: E402
+
+
+def log(*args):
+    if dist.get_rank() == 0:
+        print(*args, flush=True)
+
+
+def inputs(seqlen, nheads, nheads_kv, head_dim, seed=0):
+    """q, k, v, dout (1, S, H, D) bf16, the same on every rank."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    shapes = [(1, seqlen, nheads, head_dim), (1, seqlen, nheads_kv, head_dim), (1, seqlen, nheads_kv, head_dim),
+              (1, seqlen, nheads, head_dim)]
+    return [torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=g) for s in shapes]
+
+
+def run_context_parallel(mesh, q, k, v, dout, causal, backend):
+    """Forward + backward of SDPA under context_parallel on (1, S, H, D) tensors; backend
+    "cutlass_flash" or "pytorch" (its default flash kernels). Returns the local out, dq, dk, dv
+    (B, H, S/world, D) in the load balancer's order."""
+    from torch.distributed.tensor.experimental import context_parallel
+
+    if backend == "cutlass_flash":
+        attention.activate_flash_attention_impl(cutlass_flash.sdpa.NAME)
+    try:
+        bufs = [t.transpose(1, 2).contiguous() for t in (q, k, v, dout)]  # (B, H, S, D)
+        with context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2, 2, 2, 2], no_restore_buffers=set(bufs)):
+            ql, kl, vl = (t.detach().requires_grad_() for t in bufs[:3])
+            with attention.sdpa_kernel(attention.SDPBackend.FLASH_ATTENTION):
+                out = F.scaled_dot_product_attention(ql, kl, vl, is_causal=causal,
+                                                     enable_gqa=kl.shape[1] != ql.shape[1])
+            out.backward(bufs[3])
+        return out.detach(), ql.grad, kl.grad, vl.grad
+    finally:
+        if backend == "cutlass_flash":
+            attention.restore_flash_attention_impl()
+
+
+def zigzag(t, rank, world):
+    """Rank r's chunks r and 2 world - 1 - r of the sequence (dim 1), ring-flash-attn's zigzag."""
+    chunks = t.chunk(2 * world, dim=1)
+    return torch.cat([chunks[rank], chunks[2 * world - 1 - rank]], dim=1).contiguous()
+
+
+def unzigzag(local, world):
+    """The full sequence from every rank's zigzag chunks (all-gathered)."""
+    parts = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(parts, local.contiguous())
+    chunks = [None] * (2 * world)
+    for r, p in enumerate(parts):
+        a, b = p.chunk(2, dim=1)
+        chunks[r], chunks[2 * world - 1 - r] = a, b
+    return torch.cat(chunks, dim=1)
+
+
+def run_ring(ring, q, k, v, dout, causal):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ql, kl, vl = (zigzag(t, rank, world).requires_grad_() for t in (q, k, v))
+    out = ring.zigzag_ring_flash_attn_func(ql, kl, vl, causal=causal)
+    out.backward(zigzag(dout, rank, world))
+    return out.detach(), ql.grad, kl.grad, vl.grad
+
+
+def check(mesh, ring, seqlen, nheads, nheads_kv, causal):
+    from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+
+    q, k, v, dout = inputs(seqlen, nheads, nheads_kv, 128, seed=seqlen + nheads_kv)
+    world = dist.get_world_size()
+    cp = run_context_parallel(mesh, q, k, v, dout, causal, "cutlass_flash")
+    cp = [t.transpose(1, 2) for t in context_parallel_unshard(mesh, list(cp), [2, 2, 2, 2])]
+    rg = [unzigzag(t, world) for t in run_ring(ring, q, k, v, dout, causal)]
+    if dist.get_rank() != 0:
+        return []
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    single = cutlass_flash.flash_attn_func(*leaves, causal=causal)
+    single = [single.detach()] + list(torch.autograd.grad(single, leaves, dout))
+    ref = reference_outputs(q, k, v, dout, causal=causal, dtype=torch.float64)
+    same = reference_outputs(q, k, v, dout, causal=causal)
+    ref, same = [ref[0]] + list(ref[2:]), [same[0]] + list(same[2:])
+    rows = []
+    for engine, ours in (("single GPU", single), ("context_parallel", cp), ("ring-flash-attn", rg)):
+        errs = []
+        for name, o, s, r in zip(("out", "dq", "dk", "dv"), ours, same, ref):
+            assert_within_tolerance(f"{engine} S={seqlen} Hkv={nheads_kv} causal={causal}: {name}", o, s, r,
+                                    slack=slack(name, seqlen * nheads // nheads_kv, 128))
+            errs.append((o.double() - r).abs().max().item() / max((s.double() - r).abs().max().item(), 1e-30))
+        rows.append(f"| {engine} | {seqlen} | {nheads}/{nheads_kv} | {'yes' if causal else 'no'} | "
+                    + " | ".join(f"{e:.2f}" for e in errs) + " |")
+    return rows
+
+
+def timed(fn, reps):
+    """Median milliseconds of fn over reps (after one warm-up), and the peak memory (GiB) of a call."""
+    fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    dist.barrier()
+    return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30
+
+
+def speed(mesh, ring, seqlen, nheads, reps):
+    q, k, v, dout = inputs(seqlen, nheads, nheads, 128)
+
+    def single():
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = cutlass_flash.flash_attn_func(*leaves, causal=True)
+        out.backward(dout)
+
+    runs = {"single GPU (ours)": single}
+    for backend in ("cutlass_flash", "pytorch"):
+        runs[f"context_parallel ({backend})"] = (
+            lambda backend=backend: run_context_parallel(mesh, q, k, v, dout, True, backend))
+    runs["ring-flash-attn zigzag (ours)"] = lambda: run_ring(ring, q, k, v, dout, True)
+    results = {}
+    for name, fn in runs.items():
+        try:
+            results[name] = timed(fn, reps)
+        except Exception as e:
+            log(f"{name} at {seqlen}: {type(e).__name__}: {str(e)[:300]}")
+            results[name] = (float("nan"), float("nan"))
+    flops = 4 * seqlen * seqlen * nheads * 128 / 2 * 3.5  # forward + backward (2.5x), causal halved
+    base_ms, base_mem = results["single GPU (ours)"]
+    rows = []
+    for name, (ms, mem) in results.items():
+        rows.append(f"| {seqlen} | {name} | {ms:.1f} | {flops / ms / 1e9:.0f} | {base_ms / ms:.2f} | {mem:.2f} | "
+                    f"{mem / base_mem:.2f} |")
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seqlens", default="131072,262144")
+    parser.add_argument("--nheads", type=int, default=16)
+    parser.add_argument("--check-seqlen", type=int, default=4096)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cuda", (world,))
+    ring = install()
+    lines = [
+        "# Context parallelism on our kernels", "",
+        f"- {world} x {torch.cuda.get_device_name()}; torch {torch.__version__}; cutlass_flash "
+        f"{cutlass_flash.__version__}; {datetime.datetime.now().isoformat(timespec='seconds')}",
+        "- context_parallel: its default rotation (all-gather) and load balancing; ring-flash-attn: zigzag", "",
+        "## Check: error / PyTorch's same-dtype error against float64 (the rule: <= 2)", "",
+        "| engine | seqlen | heads q/kv | causal | out | dq | dk | dv |", "|---|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    for nheads_kv in (8, 2):
+        for causal in (False, True):
+            try:
+                rows = check(mesh, ring, args.check_seqlen, 8, nheads_kv, causal)
+            except Exception as e:  # a failed check is reported, and the run goes on
+                rows = [f"| failed | {args.check_seqlen} | 8/{nheads_kv} | {causal} | {type(e).__name__}: "
+                        f"{str(e)[:300]} | | | |"]
+            lines += rows
+            for r in rows:
+                log(r)
+    lines += ["", f"## Speed: forward + backward, bf16, {args.nheads} heads of 128, causal, batch 1", "",
+              "| seqlen | run | ms | TFLOPS (per run) | x single GPU | peak GiB per GPU | x single GPU's |",
+              "|---:|---|---:|---:|---:|---:|---:|"]
+    for seqlen in (int(s) for s in args.seqlens.split(",")):
+        rows = speed(mesh, ring, seqlen, args.nheads, args.reps)
+        lines += rows
+        for r in rows:
+            log(r)
+    if rank == 0:
+        text = "\n".join(lines) + "\n"
+        print(text)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "context-parallel.md"), "w") as f:
+                f.write(text)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
