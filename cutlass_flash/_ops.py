@@ -155,9 +155,10 @@ def _launches(varlen, alibi_slopes, rng_state, *tensors):
 
 
 def _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, deterministic=False, softcap=0.0,
-              varlen=None, alibi_slopes=None, dropout_p=0.0, rng_state=None, sinks=None):
+              varlen=None, alibi_slopes=None, dropout_p=0.0, rng_state=None, sinks=None, out=None):
     """The forward; varlen: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
-    seqused_k) with q, k, v the (1, total, nheads, head_dim) views of packed tensors."""
+    seqused_k) with q, k, v the (1, total, nheads, head_dim) views of packed tensors. out: a
+    buffer shaped like q to write the output into (else a new tensor), as _bwd_impl's dq."""
     _validate.check_op_tensors(q, k, v)
     batch, seqlen_q, nheads, head_dim = q.shape
     nseq = batch if varlen is None else varlen[0].shape[0] - 1
@@ -167,7 +168,7 @@ def _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, determini
         lse = q.new_full(_lse_shape(q, varlen), float("inf"), dtype=torch.float32)
         if sinks is not None:
             lse.copy_(sinks[:, None].expand_as(lse))
-        return torch.zeros_like(q), lse
+        return (torch.zeros_like(q) if out is None else out.zero_()), lse
     _check_limits(q, k, varlen)
     padded = _dispatch.padded_head_dim(head_dim)
     dtype_name = _dispatch.DTYPE_NAMES[q.dtype]
@@ -180,7 +181,9 @@ def _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, determini
     pad = _head_pad(arch, "fwd", head_dim, padded)
     q, k, v = _kernel_input(q, pad), _kernel_input(k, pad), _kernel_input(v, pad)
     q, softmax_scale = _kernel_query(q, softmax_scale)
-    out = torch.empty((batch, seqlen_q, nheads, head_dim + pad), dtype=q.dtype, device=device)
+    dest = out
+    if dest is None or pad or not _validate.is_kernel_layout(dest):
+        out = torch.empty((batch, seqlen_q, nheads, head_dim + pad), dtype=q.dtype, device=device)
     lse = torch.empty(_lse_shape(q, varlen), dtype=torch.float32, device=device)
     for (qs, ks, vs, os_, lses), slopes, rng in _launches(varlen, alibi_slopes, rng_state, q, k, v, out, lse):
         problem = _problem(qs, ks, padded, softmax_scale, window_left, window_right, dtype_name, softcap,
@@ -202,6 +205,8 @@ def _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, determini
         )
     if pad:
         out = out[..., :head_dim].contiguous()
+    if dest is not None and dest.data_ptr() != out.data_ptr():
+        out = dest.copy_(out)
     return out, lse
 
 

@@ -104,25 +104,27 @@ def _deterministic():
     return torch.are_deterministic_algorithms_enabled()
 
 
-def _forward(q, k, v, a, varlen=None, alibi_slopes=None):
+def _forward(q, k, v, a, out, varlen=None, alibi_slopes=None):
     """(out, lse, rng_state) of our forward on BSHD views (a packed batch: (1, total, H, D) with
-    varlen as _ops._fwd_impl takes it)."""
+    varlen as _ops._fwd_impl takes it), written into `out` (shaped like q)."""
     dropout_p = float(a["dropout_p"])
     rng_state = dropout.new_rng_state(q.device) if dropout_p > 0 else None
     seqlen_k = k.shape[1] if varlen is None else varlen[3]
     left, right = _window(a, seqlen_k)
     out, lse = _ops._fwd_impl(q, k, v, _scale(a, q.shape[-1]), left, right, _dispatch.forced_arch(),
-                              varlen=varlen, alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_state=rng_state)
+                              varlen=varlen, alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_state=rng_state,
+                              out=out)
     return out, lse, rng_state
 
 
-def _backward(dout, q, k, v, out, lse, a, rng_state, varlen=None):
+def _backward(dout, q, k, v, out, lse, a, rng_state, grads, varlen=None):
+    """dq, dk, dv of our backward, written into `grads` (shaped like q, k, v)."""
     dropout_p = float(a["dropout_p"])
     seqlen_k = k.shape[1] if varlen is None else varlen[3]
     left, right = _window(a, seqlen_k)
     dq, dk, dv, _ = _ops._bwd_impl(dout, q, k, v, out, lse, _scale(a, q.shape[-1]), left, right,
-                                   _dispatch.forced_arch(), _deterministic(), varlen=varlen, dropout_p=dropout_p,
-                                   rng_state=_rng_in(dropout_p, rng_state))
+                                   _dispatch.forced_arch(), _deterministic(), *grads, varlen=varlen,
+                                   dropout_p=dropout_p, rng_state=_rng_in(dropout_p, rng_state))
     return dq, dk, dv
 
 
@@ -130,20 +132,26 @@ def _empty_mask(query):
     return torch.empty(0, dtype=query.dtype, device=query.device)
 
 
+# The outputs are allocated as PyTorch's meta functions allocate them (empty_like of the inputs),
+# so that compiled graphs, which check their strides, see the layouts they were traced with.
+
+
 def _sdpa_forward(a):
     """_scaled_dot_product_flash_attention: (B, H, S, D) tensors."""
     query, key, value = a["query"], a["key"], a["value"]
     _check_common(a, query)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    out, lse, rng_state = _forward(q, k, v, a)
+    output = torch.empty_like(query)
+    _, lse, rng_state = _forward(q, k, v, a, output.transpose(1, 2))
     seed, unused = _rng_out(rng_state, query.device)
-    return (out.transpose(1, 2), lse, None, None, query.shape[2], key.shape[2], seed, unused, _empty_mask(query))
+    return (output, lse, None, None, query.shape[2], key.shape[2], seed, unused, _empty_mask(query))
 
 
 def _sdpa_backward(a):
-    grads = _backward(*(a[n].transpose(1, 2) for n in ("grad_out", "query", "key", "value", "out")), a["logsumexp"],
-                      a, a["philox_seed"])
-    return tuple(g.transpose(1, 2) for g in grads)
+    grads = [torch.empty_like(a[n]) for n in ("query", "key", "value")]
+    _backward(*(a[n].transpose(1, 2) for n in ("grad_out", "query", "key", "value", "out")), a["logsumexp"],
+              a, a["philox_seed"], [g.transpose(1, 2) for g in grads])
+    return tuple(grads)
 
 
 def _varlen(a, query, key):
@@ -160,10 +168,11 @@ def _flash_forward(a):
     query, key, value = a["query"], a["key"], a["value"]
     _check_common(a, query)
     varlen = _varlen(a, query, key)
-    q, k, v = (t.unsqueeze(0) for t in (query, key, value)) if varlen is not None else (query, key, value)
-    out, lse, rng_state = _forward(q, k, v, a, varlen, a.get("alibi_slopes"))
+    output = torch.empty_like(query)
+    view = (lambda t: t.unsqueeze(0)) if varlen is not None else (lambda t: t)
+    _, lse, rng_state = _forward(view(query), view(key), view(value), a, view(output), varlen, a.get("alibi_slopes"))
     seed, unused = _rng_out(rng_state, query.device)
-    return (out.squeeze(0) if varlen is not None else out), lse, seed, unused, _empty_mask(query)
+    return output, lse, seed, unused, _empty_mask(query)
 
 
 def _flash_forward_inplace(a):
@@ -174,12 +183,12 @@ def _flash_forward_inplace(a):
 
 
 def _flash_backward(a):
-    query = a["query"]
-    varlen = _varlen(a, query, a["key"])
-    names = ("grad_out", "query", "key", "value", "out")
-    tensors = [a[n].unsqueeze(0) if varlen is not None else a[n] for n in names]
-    grads = _backward(*tensors, a["logsumexp"], a, a["rng_state"], varlen)
-    return tuple(g.squeeze(0) for g in grads) if varlen is not None else grads
+    varlen = _varlen(a, a["query"], a["key"])
+    view = (lambda t: t.unsqueeze(0)) if varlen is not None else (lambda t: t)
+    grads = [torch.empty_like(a[n]) for n in ("query", "key", "value")]
+    _backward(*(view(a[n]) for n in ("grad_out", "query", "key", "value", "out")), a["logsumexp"], a,
+              a["rng_state"], [view(g) for g in grads], varlen)
+    return tuple(grads)
 
 
 _IMPLS.update({
