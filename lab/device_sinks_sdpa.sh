@@ -11,6 +11,8 @@
 #       GPU 0: the sm80 family against BASE_TREE's beside SDPA's FA2 (bf16 grid, two rounds of
 #       each), fp16 grid; GPU 1: the sm90 family against BASE_TREE's beside FA3 and cuDNN, then the
 #       sinks' cost (lab/sinks_cost.py).
+#   PHASE=final OUT=$OUT bash lab/device_sinks_sdpa.sh
+#       the sinks and SDPA tests on both families, the sinks' cost per family, then the cp phase.
 #   PHASE=cp OUT=$OUT bash lab/device_sinks_sdpa.sh
 #       benchmarks/context_parallel.py under torchrun on both GPUs.
 set -u -o pipefail
@@ -88,6 +90,20 @@ case "${PHASE:-tests}" in
     wait
     cat "$LOGS"/b0.txt "$LOGS"/b1.txt
     ;;
+  final)  # the mended tests of both families, the sinks' cost per family, then cp
+    (shard 0 sm90-sinks-sdpa 0 tests/test_sdpa_backend.py tests/test_sinks.py tests/test_transformers.py >"$LOGS/f0.txt";
+     CUDA_VISIBLE_DEVICES=$(gpu 0) timeout 150 python3 lab/sinks_cost.py --archs 90 --out "$OUT/sm90" >"$LOGS/sinks-cost-90.log" 2>&1) &
+    p0=$!
+    (shard 1 sm80-sinks-sdpa 80 tests/test_sdpa_backend.py tests/test_sinks.py >"$LOGS/f1.txt";
+     CUDA_VISIBLE_DEVICES=$(gpu 1) timeout 150 python3 lab/sinks_cost.py --archs 80 --out "$OUT/sm80" >"$LOGS/sinks-cost-80.log" 2>&1) &
+    p1=$!
+    wait $p0 $p1
+    cat "$LOGS"/f0.txt "$LOGS"/f1.txt "$LOGS"/sinks-cost-*.log
+    timeout 300 torchrun --nproc-per-node "$NGPU" benchmarks/context_parallel.py --out "$OUT" ${CP_ARGS:-} \
+      >"$LOGS/cp.log" 2>&1
+    echo "context_parallel: rc $?"
+    tail -40 "$LOGS/cp.log"
+    ;;
   cp)
     timeout 540 torchrun --nproc-per-node "$NGPU" benchmarks/context_parallel.py --out "$OUT" ${CP_ARGS:-} \
       >"$LOGS/cp.log" 2>&1
@@ -95,5 +111,6 @@ case "${PHASE:-tests}" in
     tail -40 "$LOGS/cp.log"
     ;;
 esac
-mkdir -p "$LOGS/out" && find "$OUT" -maxdepth 2 -type f ! -name env.txt ! -name "*.tar.gz" -exec cp {} "$LOGS/out/" \;
+# One tarball (the device tool returns at most 8 files): the tables move into it.
+mkdir -p "$LOGS/out" && find "$OUT" -mindepth 1 -type f ! -name env.txt ! -name "*.tar.gz" -exec mv --backup=numbered {} "$LOGS/out/" \;
 tar -C "$LOGS" -czf "$OUT/sinks-sdpa-${PHASE:-tests}.tar.gz" .

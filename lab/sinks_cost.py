@@ -1,5 +1,6 @@
 """The cost of attention sinks: flash_attn_func with sinks= against the same call without, forward
-and forward + backward, each family (forced), bf16, 16k tokens x 2048 hidden, rounds interleaved.
+and forward + backward, each family (forced), bf16, 16k tokens x 2048 hidden, batches timed
+A B B A.
 
     python lab/sinks_cost.py [--archs 90,80] [--out DIR]
 """
@@ -12,21 +13,29 @@ import torch
 import cutlass_flash
 
 
-def ms(fn, budget_ms=60.0):
-    fn()
-    torch.cuda.synchronize()
+def batch_ms(fn, n):
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    n = max(1, int(budget_ms / max(start.elapsed_time(end), 1e-3)))
     start.record()
     for _ in range(n):
         fn()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / n
+
+
+def ratio(with_fn, without_fn, rounds, budget_ms=20.0):
+    """median(with) / median(without) of per-call times over batches timed A B B A, so that a
+    drift of the clocks during the run falls on both alike."""
+    with_fn(), without_fn()
+    torch.cuda.synchronize()
+    n = max(1, int(budget_ms / max(batch_ms(without_fn, 1), 1e-3)))
+    a, b = [], []
+    for _ in range(rounds):
+        a.append(batch_ms(with_fn, n))
+        b.append(batch_ms(without_fn, n))
+        b.append(batch_ms(without_fn, n))
+        a.append(batch_ms(with_fn, n))
+    return statistics.median(a) / statistics.median(b)
 
 
 def main():
@@ -37,8 +46,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    lines = [f"# Attention sinks: time with / without ({torch.cuda.get_device_name()}, bf16, median of "
-             f"{args.rounds} interleaved rounds)", "",
+    lines = [f"# Attention sinks: time with / without ({torch.cuda.get_device_name()}, bf16, medians of "
+             f"{2 * args.rounds} batches each, timed A B B A)", "",
              "| family | head_dim | seqlen | causal | fwd with / without | fwd+bwd with / without |",
              "|---:|---:|---:|---|---:|---:|"]
     for arch in (int(a) for a in args.archs.split(",")):
@@ -61,13 +70,11 @@ def main():
                                                             sinks=sinks if with_sinks else None)
                         out.backward(dout)
 
-                    ratios = {"fwd": [], "both": []}
                     with cutlass_flash.force_arch(arch):
-                        for _ in range(args.rounds):
-                            for name, fn in (("fwd", fwd), ("both", both)):
-                                ratios[name].append(ms(lambda: fn(True)) / ms(lambda: fn(False)))
+                        r = {name: ratio(lambda: fn(True), lambda: fn(False), args.rounds)
+                             for name, fn in (("fwd", fwd), ("both", both))}
                     lines.append(f"| sm{arch} | {d} | {s} | {'yes' if causal else 'no'} | "
-                                 f"{statistics.median(ratios['fwd']):.3f} | {statistics.median(ratios['both']):.3f} |")
+                                 f"{r['fwd']:.3f} | {r['both']:.3f} |")
                     print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     if args.out:

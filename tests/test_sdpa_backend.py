@@ -169,7 +169,8 @@ def _pytorch_flash(names):
 @pytest.mark.parametrize("dropout_p", [0.0, 0.2])
 def test_sdpa_runs_our_kernels(active, causal, gqa, dropout_p):
     """Under the flash backend, SDPA (forward and backward) runs our kernels, and its results are
-    our flash_attn_func's bit for bit (the same dropout mask from the same generator state)."""
+    our flash_attn_func's bit for bit (the same dropout mask from the same generator state; dQ in
+    the deterministic order on both sides, torch.use_deterministic_algorithms for SDPA)."""
     skip_unless_auto_built(128, "bf16")
     q, k, v, dout = _bhsd(2, 8, 1000, 128, "cuda", nheads_kv=2 if gqa else None)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -181,13 +182,18 @@ def test_sdpa_runs_our_kernels(active, causal, gqa, dropout_p):
 
     names = _kernel_names(run)
     assert _ours(names) and not _pytorch_flash(names), sorted(names)
-    ours = run()
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        ours = run()
+    finally:
+        torch.use_deterministic_algorithms(was)
     torch.manual_seed(3)
     leaves = [t.transpose(1, 2) for t in (q, k, v)]
-    ref = cutlass_flash.flash_attn_func(*leaves, causal=causal, dropout_p=dropout_p)
+    ref = cutlass_flash.flash_attn_func(*leaves, causal=causal, dropout_p=dropout_p, deterministic=True)
     ref = (ref.transpose(1, 2),) + torch.autograd.grad(ref, (q, k, v), dout.transpose(1, 2))
-    for a, b in zip(ours, ref):
-        assert torch.equal(a, b)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), ours, ref):
+        assert torch.equal(a, b), f"{name}: max |SDPA - ours| = {(a.float() - b.float()).abs().max().item():.3g}"
 
 
 @pytest.mark.gpu
@@ -205,12 +211,16 @@ def test_restore_brings_pytorch_back():
 
 @pytest.mark.gpu
 def test_debug_mask_falls_back(active):
-    """return_debug_mask: PyTorch's kernel runs it (ours has no debug mask)."""
+    """return_debug_mask: PyTorch's kernel takes it (ours has no debug mask), and answers as it
+    would: a mask with dropout, its own error without."""
     skip_unless_auto_built(128, "bf16")
     q, k, v, _ = _bhsd(1, 4, 256, 128, "cuda")
-    out, *_, mask = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, True)
-    ref = _sdpa(q, k, v)
-    assert (out.float() - ref.float()).abs().max().item() < 2e-2
+    with pytest.raises(RuntimeError, match="return_softmax is only supported when p_dropout > 0"):
+        torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, True)
+    names = _kernel_names(lambda: torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.5, False, True))
+    assert _pytorch_flash(names) and not _ours(names), sorted(names)
+    *_, mask = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.5, False, True)
+    assert mask.numel() > 0
 
 
 @pytest.mark.gpu
