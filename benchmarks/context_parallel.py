@@ -52,7 +52,10 @@ def run_context_parallel(mesh, q, k, v, dout, causal, backend):
     "cutlass_flash" or "pytorch" (its default flash kernels). Returns the local out, dq, dk, dv
     (B, H, S/world, D) in the load balancer's order."""
     from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import _cp_options
 
+    # Load balancing (head-tail order) is for causal masks only; the shards stay in order without.
+    _cp_options.enable_load_balance = causal
     if backend == "cutlass_flash":
         attention.activate_flash_attention_impl(cutlass_flash.sdpa.NAME)
     try:
@@ -87,11 +90,23 @@ def unzigzag(local, world):
 
 
 def run_ring(ring, q, k, v, dout, causal):
+    """ring-flash-attn's zigzag ring under a causal mask (its load balancing), its plain ring on
+    contiguous shards without one (zigzag refuses causal=False)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    ql, kl, vl = (zigzag(t, rank, world).requires_grad_() for t in (q, k, v))
-    out = ring.zigzag_ring_flash_attn_func(ql, kl, vl, causal=causal)
-    out.backward(zigzag(dout, rank, world))
+    shard = zigzag if causal else (lambda t, r, w: t.chunk(w, dim=1)[r].contiguous())
+    fn = ring.zigzag_ring_flash_attn_func if causal else ring.ring_flash_attn_func
+    ql, kl, vl = (shard(t, rank, world).requires_grad_() for t in (q, k, v))
+    out = fn(ql, kl, vl, causal=causal)
+    out.backward(shard(dout, rank, world))
     return out.detach(), ql.grad, kl.grad, vl.grad
+
+
+def unshard_ring(local, world, causal):
+    if causal:
+        return unzigzag(local, world)
+    parts = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(parts, local.contiguous())
+    return torch.cat(parts, dim=1)
 
 
 def check(mesh, ring, seqlen, nheads, nheads_kv, causal):
@@ -101,7 +116,7 @@ def check(mesh, ring, seqlen, nheads, nheads_kv, causal):
     world = dist.get_world_size()
     cp = run_context_parallel(mesh, q, k, v, dout, causal, "cutlass_flash")
     cp = [t.transpose(1, 2) for t in context_parallel_unshard(mesh, list(cp), [2, 2, 2, 2])]
-    rg = [unzigzag(t, world) for t in run_ring(ring, q, k, v, dout, causal)]
+    rg = [unshard_ring(t, world, causal) for t in run_ring(ring, q, k, v, dout, causal)] if ring is not None else None
     if dist.get_rank() != 0:
         return []
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -112,13 +127,18 @@ def check(mesh, ring, seqlen, nheads, nheads_kv, causal):
     ref, same = [ref[0]] + list(ref[2:]), [same[0]] + list(same[2:])
     rows = []
     for engine, ours in (("single GPU", single), ("context_parallel", cp), ("ring-flash-attn", rg)):
-        errs = []
+        if ours is None:
+            continue
+        errs, verdict = [], "met"
         for name, o, s, r in zip(("out", "dq", "dk", "dv"), ours, same, ref):
-            assert_within_tolerance(f"{engine} S={seqlen} Hkv={nheads_kv} causal={causal}: {name}", o, s, r,
-                                    slack=slack(name, seqlen * nheads // nheads_kv, 128))
+            try:
+                assert_within_tolerance(f"{engine} S={seqlen} Hkv={nheads_kv} causal={causal}: {name}", o, s, r,
+                                        slack=slack(name, seqlen * nheads // nheads_kv, 128))
+            except AssertionError as e:
+                verdict = f"missed ({e})"
             errs.append((o.double() - r).abs().max().item() / max((s.double() - r).abs().max().item(), 1e-30))
         rows.append(f"| {engine} | {seqlen} | {nheads}/{nheads_kv} | {'yes' if causal else 'no'} | "
-                    + " | ".join(f"{e:.2f}" for e in errs) + " |")
+                    + " | ".join(f"{e:.2f}" for e in errs) + f" | {verdict} |")
     return rows
 
 
@@ -141,6 +161,8 @@ def timed(fn, reps):
 
 
 def speed(mesh, ring, seqlen, nheads, reps):
+    """Each run holds what it needs: the single GPU and context_parallel (whose buffers are the full
+    tensors, sharded in place) the full sequence, the ring its own zigzag shards only."""
     q, k, v, dout = inputs(seqlen, nheads, nheads, 128)
 
     def single():
@@ -152,7 +174,6 @@ def speed(mesh, ring, seqlen, nheads, reps):
     for backend in ("cutlass_flash", "pytorch"):
         runs[f"context_parallel ({backend})"] = (
             lambda backend=backend: run_context_parallel(mesh, q, k, v, dout, True, backend))
-    runs["ring-flash-attn zigzag (ours)"] = lambda: run_ring(ring, q, k, v, dout, True)
     results = {}
     for name, fn in runs.items():
         try:
@@ -160,6 +181,18 @@ def speed(mesh, ring, seqlen, nheads, reps):
         except Exception as e:
             log(f"{name} at {seqlen}: {type(e).__name__}: {str(e)[:300]}")
             results[name] = (float("nan"), float("nan"))
+    if ring is not None:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        local = [zigzag(t, rank, world) for t in (q, k, v, dout)]
+        del q, k, v, dout, runs
+        torch.cuda.empty_cache()
+
+        def ring_step():
+            ql, kl, vl = (t.detach().requires_grad_() for t in local[:3])
+            out = ring.zigzag_ring_flash_attn_func(ql, kl, vl, causal=True)
+            out.backward(local[3])
+
+        results["ring-flash-attn zigzag (ours)"] = timed(ring_step, reps)
     flops = 4 * seqlen * seqlen * nheads * 128 / 2 * 3.5  # forward + backward (2.5x), causal halved
     base_ms, base_mem = results["single GPU (ours)"]
     rows = []
@@ -184,14 +217,19 @@ def main():
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cuda", (world,))
-    ring = install()
+    try:
+        ring = install()
+    except ImportError as e:  # ring-flash-attn not installed: its rows say so
+        log(f"ring-flash-attn: {e}")
+        ring = None
     lines = [
         "# Context parallelism on our kernels", "",
         f"- {world} x {torch.cuda.get_device_name()}; torch {torch.__version__}; cutlass_flash "
         f"{cutlass_flash.__version__}; {datetime.datetime.now().isoformat(timespec='seconds')}",
         "- context_parallel: its default rotation (all-gather) and load balancing; ring-flash-attn: zigzag", "",
         "## Check: error / PyTorch's same-dtype error against float64 (the rule: <= 2)", "",
-        "| engine | seqlen | heads q/kv | causal | out | dq | dk | dv |", "|---|---:|---:|---|---:|---:|---:|---:|",
+        "| engine | seqlen | heads q/kv | causal | out | dq | dk | dv | rule |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---|",
     ]
     for nheads_kv in (8, 2):
         for causal in (False, True):

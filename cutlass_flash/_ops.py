@@ -294,9 +294,11 @@ def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
     dq = target(dq, (batch, seqlen_q, nheads, cols))
     dk = target(dk, (batch, seqlen_k, nheads_kv, cols))
     dv = target(dv, (batch, seqlen_k, nheads_kv, cols))
-    # Each query row's share of dsinks (BwdParams::dsink_rows), summed below in a fixed order; rows
-    # of no sequence stay 0.
-    dsink_rows = torch.zeros_like(lse) if sinks is not None else None
+    # Each query row's share of dsinks (BwdParams::dsink_rows), summed below in a fixed order. The
+    # kernels write every row of a dense batch; a packed one's rows of no sequence stay 0.
+    dsink_rows = None
+    if sinks is not None:
+        dsink_rows = torch.zeros_like(lse) if varlen is not None else torch.empty_like(lse)
     for (qs, ks, vs, os_, dos, dqs, dks, dvs, lses, dsrs), slopes, rng in _launches(
             varlen, alibi_slopes, rng_state, q, k, v, out, dout, dq, dk, dv, lse, dsink_rows):
         problem = _problem(qs, ks, padded, kernel_scale, window_left, window_right, dtype_name, softcap,
@@ -338,7 +340,7 @@ def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
     # lse / dsink_rows: (batch, nheads, seqlen_q), or (nheads, total_q) for a packed batch.
     dsinks = None
     if dsink_rows is not None:
-        dsinks = (dsink_rows if varlen is not None else dsink_rows.transpose(0, 1).reshape(nheads, -1)).sum(1)
+        dsinks = dsink_rows.sum(1) if varlen is not None else dsink_rows.sum((0, 2))
     # A fresh unpadded gradient is contiguous already (contiguous() returns it as it is).
     return tuple(grad.contiguous() if dest is None else dest for grad, dest in zip(grads, dests)) + (dsinks,)
 

@@ -23,7 +23,7 @@ LOGS=/tmp/sinks_logs
 mkdir -p "$OUT" "$LOGS"
 python3 -c "import cutlass_flash._C" 2>/dev/null ||
   CUTLASS_FLASH_BINDING_ONLY=1 python3 setup.py build_ext --inplace >"$LOGS/build.log" 2>&1 || tail -20 "$LOGS/build.log"
-python3 -c "import ring_flash_attn" 2>/dev/null || pip install --no-deps --no-index .carry/wheels/ring_flash_attn-*.whl \
+python3 -c "import ring_flash_attn" 2>/dev/null || python3 -m pip install --no-deps --no-index .carry/wheels/ring_flash_attn-*.whl \
   >"$LOGS/pip.log" 2>&1 || tail -5 "$LOGS/pip.log"
 NGPU=$(nvidia-smi -L | wc -l)
 gpu() { echo $(( $1 % NGPU )); }
