@@ -202,6 +202,48 @@ def speed(mesh, ring, seqlen, nheads, reps):
     return rows
 
 
+def speedup_svg(rows):
+    """A bar chart (SVG, no plotting library) of the speed-up over one GPU by sequence length, from
+    the speed table's rows."""
+    data = {}
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        if len(cells) >= 5 and cells[0].isdigit() and "single" not in cells[1]:
+            data.setdefault(cells[1], {})[int(cells[0])] = float(cells[4])
+    seqlens = sorted({n for runs in data.values() for n in runs})
+    colors = ["#1f77b4", "#aaaaaa", "#2ca02c", "#d62728"]
+    width, height, left, bottom, top = 560, 300, 50, 40, 20
+    group = (width - left - 20) / max(len(seqlens), 1)
+    bar = group * 0.8 / max(len(data), 1)
+    ymax = 2.0
+
+    def y(v):
+        return top + (height - top - bottom) * (1 - v / ymax)
+
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height + 20 * len(data)}" '
+             'font-family="sans-serif" font-size="12">']
+    for v in (0.5, 1.0, 1.5, 2.0):
+        parts.append(f'<line x1="{left}" x2="{width - 20}" y1="{y(v):.1f}" y2="{y(v):.1f}" stroke="#ddd"/>'
+                     f'<text x="{left - 8}" y="{y(v) + 4:.1f}" text-anchor="end">{v:.1f}x</text>')
+    for i, n in enumerate(seqlens):
+        x0 = left + i * group + group * 0.1
+        for j, (name, runs) in enumerate(data.items()):
+            if n in runs:
+                v = runs[n]
+                parts.append(f'<rect x="{x0 + j * bar:.1f}" y="{y(v):.1f}" width="{bar * 0.9:.1f}" '
+                             f'height="{y(0) - y(v):.1f}" fill="{colors[j % 4]}"/>'
+                             f'<text x="{x0 + (j + 0.45) * bar:.1f}" y="{y(v) - 4:.1f}" text-anchor="middle">{v:.2f}'
+                             '</text>')
+        parts.append(f'<text x="{x0 + group * 0.4:.1f}" y="{height - bottom + 18}" text-anchor="middle">'
+                     f'{n // 1024}k tokens</text>')
+    for j, name in enumerate(data):
+        yy = height + 20 * j
+        parts.append(f'<rect x="{left}" y="{yy - 10}" width="12" height="12" fill="{colors[j % 4]}"/>'
+                     f'<text x="{left + 18}" y="{yy}">{name}: speed-up over our op on one GPU</text>')
+    parts.append("</svg>")
+    return "\n".join(parts) + "\n"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seqlens", default="131072,262144")
@@ -209,7 +251,14 @@ def main():
     parser.add_argument("--check-seqlen", type=int, default=4096)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--plot-from", default=None, help="only redraw the SVG from a context-parallel.md")
     args = parser.parse_args()
+    if args.plot_from:
+        with open(args.plot_from) as f:
+            svg = speedup_svg(f.read().splitlines())
+        with open(os.path.splitext(args.plot_from)[0] + ".svg", "w") as f:
+            f.write(svg)
+        return
 
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -256,6 +305,8 @@ def main():
             os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, "context-parallel.md"), "w") as f:
                 f.write(text)
+            with open(os.path.join(args.out, "context-parallel.svg"), "w") as f:
+                f.write(speedup_svg(lines))
     dist.destroy_process_group()
 
 

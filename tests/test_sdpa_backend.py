@@ -255,3 +255,58 @@ def test_sdpa_under_compile(active):
     out = compiled(q, k, v)
     ref = cutlass_flash.flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), causal=True).transpose(1, 2)
     assert torch.equal(out, ref)
+
+
+@pytest.mark.gpu
+def test_nested_jagged_sdpa_runs_our_kernels(active):
+    """Nested (jagged) tensors take SDPA's packed path (_flash_attention_forward / _backward with
+    cum_seq_q / cum_seq_k): our kernels, with flash_attn_varlen_func's results bit for bit."""
+    skip_unless_auto_built(128, "bf16")
+    lengths = (100, 1, 700, 333)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    values = [torch.randn(sum(lengths), 8, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4)]
+    offsets = torch.tensor([0, 100, 101, 801, 1134], device="cuda", dtype=torch.int64)
+
+    def run():
+        leaves = [v.detach().requires_grad_() for v in values[:3]]
+        q, k, v = (torch.nested.nested_tensor_from_jagged(t, offsets).transpose(1, 2) for t in leaves)
+        out = _sdpa(q, k, v, is_causal=True).transpose(1, 2).values()
+        return (out,) + torch.autograd.grad(out, leaves, values[3])
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        names = _kernel_names(run)
+        ours = run()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert _ours(names) and not _pytorch_flash(names), sorted(names)
+    cu = offsets.to(torch.int32)
+    leaves = [v.detach().requires_grad_() for v in values[:3]]
+    ref = cutlass_flash.flash_attn_varlen_func(*leaves, cu, cu, max(lengths), max(lengths), causal=True,
+                                               deterministic=True)
+    ref = (ref,) + torch.autograd.grad(ref, leaves, values[3])
+    for name, a, b in zip(("out", "dq", "dk", "dv"), ours, ref):
+        assert torch.equal(a, b), f"{name}: max |SDPA - ours| = {(a.float() - b.float()).abs().max().item():.3g}"
+
+
+@pytest.mark.gpu
+def test_sdpa_in_a_cuda_graph(active):
+    """SDPA with our kernels captured in a CUDA graph: each replay computes the new inputs'."""
+    skip_unless_auto_built(128, "bf16")
+    q, k, v, _ = _bhsd(2, 8, 640, 128, "cuda")
+    static = [t.clone() for t in (q, k, v)]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _sdpa(*static, is_causal=True)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _sdpa(*static, is_causal=True)
+    for seed in (1, 2):
+        fresh = _bhsd(2, 8, 640, 128, "cuda", seed=seed)[:3]
+        for s_, f in zip(static, fresh):
+            s_.copy_(f)
+        graph.replay()
+        ref = cutlass_flash.flash_attn_func(*(t.transpose(1, 2) for t in fresh), causal=True).transpose(1, 2)
+        assert torch.equal(out, ref)
