@@ -66,9 +66,65 @@ struct VarlenTiles {
 #endif
 };
 
+// The tile order of a persistent grid (one block per SM): tile index -> (query block, head,
+// batch). Blocks take indices in increasing order as they finish tiles (the sm90 kernel hands
+// them out through a global counter, sm90/tile_scheduler.h), so the tiles in flight at any time are a
+// window of about gridDim.x consecutive indices.
+//
+// Without a causal mask every tile costs the same, and query blocks are the fastest index, so the
+// blocks running at one time share a head's K and V in L2 (at 8k tokens and d = 128, 132 blocks
+// span about two heads: 8 MiB of K/V against 60 MiB of L2).
+//
+// With a causal mask (`longest_first`) query block m costs m + 1 key blocks. Tiles then go in
+// order of decreasing m with heads and batches inner, so the short tiles fill the tail, within
+// groups of `group` (head, batch) pairs. With every pair inner, the blocks in flight all read
+// different heads (at 2k tokens and d = 128: 128 heads, 128 MiB of K/V against 60 MiB of L2) and
+// K/V came from DRAM (PERFLOG.md, entry 14); with one to four pairs, a hundred blocks read the
+// same K/V blocks at the same moment. kCausalGroup pairs measured within 3% of the best group
+// size at d = 128 and 256, 1k to 16k tokens, where group sizes fitted to a quarter of the L2
+// lost up to 16% and all pairs 18% (PERFLOG.md, entry 18).
+struct PersistentTileScheduler {
+  int num_blocks;  // query blocks per (head, batch)
+  int nheads;
+  int num_tiles;
+  bool longest_first;
+  int group;  // (head, batch) pairs per group when longest_first
+
+  __host__ __device__ PersistentTileScheduler(int num_blocks_, int nheads_, int batch, bool longest_first_,
+                                              int group_ = 1)
+      : num_blocks(num_blocks_), nheads(nheads_), num_tiles(num_blocks_ * nheads_ * batch),
+        longest_first(longest_first_), group(group_) {}
+
+  static constexpr int kCausalGroup = 16;
+
+  // The group for `head_batch_count` pairs: kCausalGroup, or all of them when fewer.
+  __host__ __device__ static int group_size(int head_batch_count) {
+    return head_batch_count < kCausalGroup ? head_batch_count : kCausalGroup;
+  }
+
+  static int grid_size(int num_tiles, int num_sms) { return num_tiles < num_sms ? num_tiles : num_sms; }
+
+  __host__ __device__ TileCoord coord(int tile) const {
+    if (longest_first) {
+      const int head_batch_count = num_tiles / num_blocks;
+      const int g = tile / (group * num_blocks), first = g * group;
+      const int size = head_batch_count - first < group ? head_batch_count - first : group;
+      const int t = tile - first * num_blocks;  // index inside the group: m outer, pairs inner
+      const int hb = first + t % size;
+      return {num_blocks - 1 - t / size, hb % nheads, hb / nheads};
+    }
+    const int hb = tile / num_blocks;
+    return {tile % num_blocks, hb % nheads, hb / nheads};
+  }
+};
+
 // One thread block per tile, tiles fastest. With a causal mask the tile with the highest index has
 // the most work; the hardware starts blocks in launch order, so issuing those first shortens the
-// tail where a few long blocks run alone on an otherwise idle GPU.
+// tail where a few long blocks run alone on an otherwise idle GPU. A dense grid takes the
+// persistent grid's order for it (PersistentTileScheduler::coord: query blocks descending, groups
+// of kCausalGroup (head, batch) pairs inner), so the last wave is the last group's short blocks;
+// with each pair's blocks in turn, the last pair's longest block started a few blocks before the
+// end and ran alone.
 //
 // A packed batch launches its list's capacity of blocks per head (grid.y) instead of the longest
 // sequence's blocks for every sequence: block x takes the list's tile x (size() - 1 - x when
@@ -104,8 +160,16 @@ struct GridTileSchedulerT {
       if (x >= n) return {-1, int(blockIdx.y), 0};
       return sp.tiles.at(longest_first ? n - 1 - x : x, int(blockIdx.y));
     }
-    const int b = longest_first ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
-    return {b, int(blockIdx.y), int(blockIdx.z)};
+    return dense(int(blockIdx.x), int(blockIdx.y), int(blockIdx.z), longest_first);
+  }
+
+  // A dense grid's block (x, y, z): the tile (x, y, z), or in PersistentTileScheduler's causal order.
+  __device__ static TileCoord dense(int x, int y, int z, bool longest_first) {
+    if (!longest_first) return {x, y, z};
+    const int pairs = int(gridDim.y * gridDim.z);
+    const PersistentTileScheduler order(int(gridDim.x), int(gridDim.y), int(gridDim.z), true,
+                                        PersistentTileScheduler::group_size(pairs));
+    return order.coord(x + int(gridDim.x) * (y + int(gridDim.y) * z));
   }
 
   // The same tile, read again where it is called: the compiler cannot prove it equal to get()'s,
@@ -125,63 +189,11 @@ struct GridTileSchedulerT {
                    : "l"(sp.tiles.tiles + (longest_first ? n - 1 - x : x)));
       return {t1, y, t0};
     }
-    return {longest_first ? int(gridDim.x) - 1 - x : x, y, z};
+    return dense(x, y, z, longest_first);
   }
 #endif
 };
 using GridTileScheduler = GridTileSchedulerT</*kPackable=*/true>;
 using DenseGridTileScheduler = GridTileSchedulerT</*kPackable=*/false>;
-
-// The tile order of a persistent grid (one block per SM): tile index -> (query block, head,
-// batch). Blocks take indices in increasing order as they finish tiles (the sm90 kernel hands
-// them out through a global counter, sm90/tile_scheduler.h), so the tiles in flight at any time are a
-// window of about gridDim.x consecutive indices.
-//
-// Without a causal mask every tile costs the same, and query blocks are the fastest index, so the
-// blocks running at one time share a head's K and V in L2 (at 8k tokens and d = 128, 132 blocks
-// span about two heads: 8 MiB of K/V against 60 MiB of L2).
-//
-// With a causal mask (`longest_first`) query block m costs m + 1 key blocks. Tiles then go in
-// order of decreasing m with heads and batches inner, so the short tiles fill the tail, within
-// groups of `group` (head, batch) pairs. With every pair inner, the blocks in flight all read
-// different heads (at 2k tokens and d = 128: 128 heads, 128 MiB of K/V against 60 MiB of L2) and
-// K/V came from DRAM (PERFLOG.md, entry 14); with one to four pairs, a hundred blocks read the
-// same K/V blocks at the same moment. kCausalGroup pairs measured within 3% of the best group
-// size at d = 128 and 256, 1k to 16k tokens, where group sizes fitted to a quarter of the L2
-// lost up to 16% and all pairs 18% (PERFLOG.md, entry 18).
-struct PersistentTileScheduler {
-  int num_blocks;  // query blocks per (head, batch)
-  int nheads;
-  int num_tiles;
-  bool longest_first;
-  int group;  // (head, batch) pairs per group when longest_first
-
-  __host__ __device__ PersistentTileScheduler(int num_blocks_, int nheads_, int batch, bool longest_first_,
-                                              int group_ = 1)
-      : num_blocks(num_blocks_), nheads(nheads_), num_tiles(num_blocks_ * nheads_ * batch),
-        longest_first(longest_first_), group(group_) {}
-
-  static constexpr int kCausalGroup = 16;
-
-  // The group for `head_batch_count` pairs: kCausalGroup, or all of them when fewer.
-  static int group_size(int head_batch_count) {
-    return head_batch_count < kCausalGroup ? head_batch_count : kCausalGroup;
-  }
-
-  static int grid_size(int num_tiles, int num_sms) { return num_tiles < num_sms ? num_tiles : num_sms; }
-
-  __host__ __device__ TileCoord coord(int tile) const {
-    if (longest_first) {
-      const int head_batch_count = num_tiles / num_blocks;
-      const int g = tile / (group * num_blocks), first = g * group;
-      const int size = head_batch_count - first < group ? head_batch_count - first : group;
-      const int t = tile - first * num_blocks;  // index inside the group: m outer, pairs inner
-      const int hb = first + t % size;
-      return {num_blocks - 1 - t / size, hb % nheads, hb / nheads};
-    }
-    const int hb = tile / num_blocks;
-    return {tile % num_blocks, hb % nheads, hb / nheads};
-  }
-};
 
 }  // namespace cutlass_flash
