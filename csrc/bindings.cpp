@@ -111,8 +111,8 @@ cudaStream_t as_stream(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); 
 
 // The fields FwdParams and BwdParams share.
 template <typename Params>
-void set_common(Params& params, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
-                uintptr_t workspace, const AttnProblem& p) {
+void set_common(Params& params, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, uintptr_t workspace,
+                const AttnProblem& p) {
   params.problem = p;
   params.q = tensor(q);
   params.k = tensor(k);
@@ -133,17 +133,17 @@ void run_without_gil(F&& call) {
   check(s);
 }
 
-void fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, uintptr_t lse,
-         uintptr_t workspace, int arch, uintptr_t stream, const py::kwargs& kw) {
+void fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, uintptr_t lse, uintptr_t workspace,
+         int arch, uintptr_t stream, const py::kwargs& kw) {
   FwdParams params;
   set_common(params, q, k, v, o, workspace, problem(kw));
   params.lse = reinterpret_cast<float*>(lse);
   run_without_gil([&] { return run_fwd(params, arch, as_stream(stream)); });
 }
 
-void bwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& dout,
-         uintptr_t lse, const Tensor& dq, const Tensor& dk, const Tensor& dv, uintptr_t workspace,
-         int arch, bool deterministic, uintptr_t dsink_rows, uintptr_t stream, const py::kwargs& kw) {
+void bwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& dout, uintptr_t lse,
+         const Tensor& dq, const Tensor& dk, const Tensor& dv, uintptr_t workspace, int arch, bool deterministic,
+         uintptr_t dsink_rows, uintptr_t stream, const py::kwargs& kw) {
   BwdParams params;
   set_common(params, q, k, v, o, workspace, problem(kw));
   params.dout = tensor(dout);
@@ -166,8 +166,8 @@ size_t workspace_bytes(const AttnProblem& p, int arch, bool deterministic) {
 py::list built() {
   py::list out;
   for (const KernelKey& k : built_kernels())
-    out.append(py::make_tuple(k.arch, k.direction == Direction::kForward ? "fwd" : "bwd",
-                              k.head_dim, dispatch::dtype_name(k.dtype)));
+    out.append(py::make_tuple(k.arch, k.direction == Direction::kForward ? "fwd" : "bwd", k.head_dim,
+                              dispatch::dtype_name(k.dtype)));
   return out;
 }
 
@@ -197,26 +197,19 @@ PYBIND11_MODULE(_C, m) {
         "workspace_ptr: fwd_workspace_bytes(...) bytes, aligned to _catalog.FWD_WORKSPACE_ALIGN (0 when that is 0); "
         "dtype: 'fp16' | 'bf16'; arch: kernel family (80, 90); stream: cudaStream_t as an int; "
         "the other keywords: the fields of AttnProblem (params.h). Asynchronous.");
-  m.def("bwd", &bwd, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"), py::arg("dout"),
-        py::arg("lse_ptr"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("workspace_ptr"),
-        py::kw_only(), py::arg("arch"), py::arg("deterministic"), py::arg("dsink_rows_ptr") = 0,
-        py::arg("stream"),
+  m.def("bwd", &bwd, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"), py::arg("dout"), py::arg("lse_ptr"),
+        py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("workspace_ptr"), py::kw_only(), py::arg("arch"),
+        py::arg("deterministic"), py::arg("dsink_rows_ptr") = 0, py::arg("stream"),
         "Backward pass. dq/dk/dv shaped like q/k/v (dk/dv per kv head); "
         "workspace_ptr: bwd_workspace_bytes(...) bytes, 256-byte aligned, need not be zeroed; "
         "deterministic: dQ accumulated in a fixed order; dsink_rows_ptr (with sinks): float32 "
         "shaped like the LSE, each row's part of the sinks' gradient (BwdParams::dsink_rows).");
-  m.def(
-      "fwd_workspace_bytes",
-      [](int arch, const py::kwargs& kw) { return workspace_bytes<Direction::kForward>(problem(kw), arch, false); },
-      py::kw_only(), py::arg("arch"), "Scratch bytes fwd needs for this problem.");
-  m.def(
-      "bwd_workspace_bytes",
-      [](int arch, bool deterministic, const py::kwargs& kw) {
-        return workspace_bytes<Direction::kBackward>(problem(kw), arch, deterministic);
-      },
-      py::kw_only(), py::arg("arch"), py::arg("deterministic"), "Scratch bytes bwd needs for this problem.");
-  m.def("built_kernels", &built,
-        "The instantiations of this build: [(arch, 'fwd'|'bwd', head_dim, 'fp16'|'bf16')].");
-  m.def("build_config", &build_config,
-        "The build knobs this library was built with, {env var: value}.");
+  m.def("fwd_workspace_bytes", [](int arch, const py::kwargs& kw) {
+    return workspace_bytes<Direction::kForward>(problem(kw), arch, false);
+  }, py::kw_only(), py::arg("arch"), "Scratch bytes fwd needs for this problem.");
+  m.def("bwd_workspace_bytes", [](int arch, bool deterministic, const py::kwargs& kw) {
+    return workspace_bytes<Direction::kBackward>(problem(kw), arch, deterministic);
+  }, py::kw_only(), py::arg("arch"), py::arg("deterministic"), "Scratch bytes bwd needs for this problem.");
+  m.def("built_kernels", &built, "The instantiations of this build: [(arch, 'fwd'|'bwd', head_dim, 'fp16'|'bf16')].");
+  m.def("build_config", &build_config, "The build knobs this library was built with, {env var: value}.");
 }

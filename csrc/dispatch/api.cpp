@@ -66,8 +66,7 @@ constexpr uintptr_t kVecBytes = 16;
 // batch (batch_stride unused). A stride is checked only where its dimension has more than one
 // index: torch reports arbitrary strides (0 after expand(), say) for size-1 dimensions, and the
 // kernels never multiply them by anything but 0.
-Status check_tensor(Direction dir, const char* name, const TensorRef4& t, const AttnProblem& p,
-                    int seqlen, int heads) {
+Status check_tensor(Direction dir, const char* name, const TensorRef4& t, const AttnProblem& p, int seqlen, int heads) {
   if (t.ptr == nullptr) return make(Status::kInvalidArgument, prefix(dir) + name + " is a null pointer");
   if (reinterpret_cast<uintptr_t>(t.ptr) % kVecBytes != 0)
     return make(Status::kInvalidArgument,
@@ -82,8 +81,8 @@ Status check_tensor(Direction dir, const char* name, const TensorRef4& t, const 
   for (const Dim& d : dims) {
     if (d.extent <= 1) continue;
     if (d.stride <= 0)
-      return make(Status::kInvalidArgument, prefix(dir) + name + "." + d.stride_name + " = " +
-                                                to_string(d.stride) + " must be positive");
+      return make(Status::kInvalidArgument,
+                  prefix(dir) + name + "." + d.stride_name + " = " + to_string(d.stride) + " must be positive");
     if (d.stride % kVecElems != 0)
       return make(Status::kInvalidArgument,
                   prefix(dir) + name + "." + d.stride_name + " = " + to_string(d.stride) +
@@ -99,8 +98,7 @@ int rows_k(const AttnProblem& p) { return p.is_varlen() ? p.total_k : p.seqlen_k
 Status check_scalar_ptr(Direction dir, const char* name, const void* ptr, uintptr_t align) {
   if (ptr == nullptr) return make(Status::kInvalidArgument, prefix(dir) + name + " is a null pointer");
   if (reinterpret_cast<uintptr_t>(ptr) % align != 0)
-    return make(Status::kInvalidArgument,
-                prefix(dir) + name + " is not " + to_string(align) + "-byte aligned");
+    return make(Status::kInvalidArgument, prefix(dir) + name + " is not " + to_string(align) + "-byte aligned");
   return Status::Ok();
 }
 
@@ -124,30 +122,28 @@ Status not_built(const KernelKey& key) {
   std::vector<std::string> fixes;
   if (!contains(t.archs, t.num_archs, key.arch))
     fixes.push_back(std::string("CUTLASS_FLASH_ARCHS including ") + to_string(key.arch) +
-                    " (e.g. CUTLASS_FLASH_ARCHS=" + with_added(knob_value("CUTLASS_FLASH_ARCHS"), to_string(key.arch)) + ")");
+                    " (e.g. CUTLASS_FLASH_ARCHS=" + with_added(knob_value("CUTLASS_FLASH_ARCHS"), to_string(key.arch)) +
+                    ")");
   if (!contains(t.head_dims, t.num_head_dims, key.head_dim))
-    fixes.push_back("CUTLASS_FLASH_HEAD_DIMS including " + hd + " (e.g. CUTLASS_FLASH_HEAD_DIMS=" +
-                    with_added(knob_value("CUTLASS_FLASH_HEAD_DIMS"), hd) + ")");
+    fixes.push_back("CUTLASS_FLASH_HEAD_DIMS including " + hd +
+                    " (e.g. CUTLASS_FLASH_HEAD_DIMS=" + with_added(knob_value("CUTLASS_FLASH_HEAD_DIMS"), hd) + ")");
   if (!contains(t.dtypes, t.num_dtypes, key.dtype))
-    fixes.push_back("CUTLASS_FLASH_DTYPES including " + dt + " (e.g. CUTLASS_FLASH_DTYPES=" +
-                    with_added(knob_value("CUTLASS_FLASH_DTYPES"), dt) + ")");
-  if (key.direction == Direction::kBackward && t.fwd_only)
-    fixes.push_back("CUTLASS_FLASH_FWD_ONLY unset (or 0)");
+    fixes.push_back("CUTLASS_FLASH_DTYPES including " + dt +
+                    " (e.g. CUTLASS_FLASH_DTYPES=" + with_added(knob_value("CUTLASS_FLASH_DTYPES"), dt) + ")");
+  if (key.direction == Direction::kBackward && t.fwd_only) fixes.push_back("CUTLASS_FLASH_FWD_ONLY unset (or 0)");
   std::string fix;
   for (size_t i = 0; i < fixes.size(); ++i) fix += (i ? " and " : "") + fixes[i];
   if (fix.empty()) fix = "the default knobs";
-  return make(Status::kNotBuilt,
-              "cutlass_flash was built without the sm" + to_string(key.arch) + " " +
-                  direction_word(key.direction) + " kernel for head_dim " + hd + ", " + dt +
-                  "; rebuild with " + fix + ". This build: " + build_config());
+  return make(Status::kNotBuilt, "cutlass_flash was built without the sm" + to_string(key.arch) + " " +
+                                     direction_word(key.direction) + " kernel for head_dim " + hd + ", " + dt +
+                                     "; rebuild with " + fix + ". This build: " + build_config());
 }
 
 const Entry* find_entry(const KernelKey& key) {
   const Table& t = table();
   for (size_t i = 0; i < t.num_entries; ++i) {
     const KernelKey& k = t.entries[i].key;
-    if (k.arch == key.arch && k.direction == key.direction && k.head_dim == key.head_dim &&
-        k.dtype == key.dtype)
+    if (k.arch == key.arch && k.direction == key.direction && k.head_dim == key.head_dim && k.dtype == key.dtype)
       return &t.entries[i];
   }
   return nullptr;
@@ -161,8 +157,10 @@ Status internal_error(Direction dir, const char* what) {
 
 const char* dtype_name(DType dtype) {
   switch (dtype) {
-    case DType::kFloat16: return "fp16";
-    case DType::kBFloat16: return "bf16";
+    case DType::kFloat16:
+      return "fp16";
+    case DType::kBFloat16:
+      return "bf16";
   }
   return "unknown dtype";
 }
@@ -170,8 +168,7 @@ const char* dtype_name(DType dtype) {
 std::string build_config() {
   const Table& t = table();
   std::string s;
-  for (size_t i = 0; i < t.num_knobs; ++i)
-    s += std::string(i ? " " : "") + t.knobs[i].name + "=" + t.knobs[i].value;
+  for (size_t i = 0; i < t.num_knobs; ++i) s += std::string(i ? " " : "") + t.knobs[i].name + "=" + t.knobs[i].value;
   return s;
 }
 
@@ -179,21 +176,20 @@ Status check_problem(const AttnProblem& p, int arch, Direction dir) {
   const struct {
     const char* name;
     int value;
-  } sizes[] = {{"batch", p.batch},     {"seqlen_q", p.seqlen_q},   {"seqlen_k", p.seqlen_k},
-               {"nheads", p.nheads},   {"nheads_kv", p.nheads_kv}, {"head_dim", p.head_dim}};
+  } sizes[] = {{"batch", p.batch},   {"seqlen_q", p.seqlen_q},   {"seqlen_k", p.seqlen_k},
+               {"nheads", p.nheads}, {"nheads_kv", p.nheads_kv}, {"head_dim", p.head_dim}};
   for (const auto& s : sizes)
     if (s.value <= 0)
-      return make(Status::kInvalidArgument,
-                  prefix(dir) + s.name + " = " + to_string(s.value) + " must be positive");
+      return make(Status::kInvalidArgument, prefix(dir) + s.name + " = " + to_string(s.value) + " must be positive");
   if (p.head_dim_real != 0 && (p.head_dim_real < 0 || p.head_dim_real > p.head_dim || p.head_dim_real % 8 != 0))
-    return make(Status::kInvalidArgument, prefix(dir) + "head_dim_real = " + to_string(p.head_dim_real) +
-                                              " must be 0 or a multiple of 8 up to head_dim = " + to_string(p.head_dim));
+    return make(Status::kInvalidArgument,
+                prefix(dir) + "head_dim_real = " + to_string(p.head_dim_real) +
+                    " must be 0 or a multiple of 8 up to head_dim = " + to_string(p.head_dim));
   if (p.nheads % p.nheads_kv != 0)
     return make(Status::kInvalidArgument, prefix(dir) + "nheads = " + to_string(p.nheads) +
                                               " must be a multiple of nheads_kv = " + to_string(p.nheads_kv));
   if (!dtype_known(p.dtype))
-    return make(Status::kInvalidArgument,
-                prefix(dir) + "unknown dtype value " + to_string(static_cast<int>(p.dtype)));
+    return make(Status::kInvalidArgument, prefix(dir) + "unknown dtype value " + to_string(static_cast<int>(p.dtype)));
   if (!std::isfinite(p.softmax_scale))
     return make(Status::kInvalidArgument, prefix(dir) + "softmax_scale must be finite");
   if (!(std::isfinite(p.softcap) && p.softcap >= 0.f))
@@ -210,8 +206,8 @@ Status check_problem(const AttnProblem& p, int arch, Direction dir) {
       if (reinterpret_cast<uintptr_t>(ptr) % alignof(int) != 0)
         return make(Status::kInvalidArgument, prefix(dir) + "cu_seqlens / seqused are not 4-byte aligned int32 arrays");
     if (p.total_q <= 0 || p.total_k <= 0)
-      return make(Status::kInvalidArgument, prefix(dir) + "total_q = " + to_string(p.total_q) + " and total_k = " +
-                                                to_string(p.total_k) + " must be positive");
+      return make(Status::kInvalidArgument, prefix(dir) + "total_q = " + to_string(p.total_q) +
+                                                " and total_k = " + to_string(p.total_k) + " must be positive");
   }
   if (reinterpret_cast<uintptr_t>(p.alibi_slopes) % alignof(float) != 0 || p.alibi_batch_stride < 0)
     return make(Status::kInvalidArgument,
@@ -221,12 +217,13 @@ Status check_problem(const AttnProblem& p, int arch, Direction dir) {
   if (!(p.dropout_p >= 0.f && p.dropout_p < 1.f))
     return make(Status::kInvalidArgument, prefix(dir) + "dropout_p must be in [0, 1)");
   if (p.dropout_p > 0.f && (p.rng_state == nullptr || reinterpret_cast<uintptr_t>(p.rng_state) % 16 != 0))
-    return make(Status::kInvalidArgument,
-                prefix(dir) + "dropout_p > 0 needs rng_state: two int64 (seed, offset) in device memory, 16-byte aligned");
+    return make(
+        Status::kInvalidArgument,
+        prefix(dir) + "dropout_p > 0 needs rng_state: two int64 (seed, offset) in device memory, 16-byte aligned");
   const CatalogFamily* fam = find_family(arch);
   if (fam == nullptr)
-    return make(Status::kInvalidArgument, prefix(dir) + "unknown kernel family arch = " +
-                                              to_string(arch) + " (known: " + known_families() + ")");
+    return make(Status::kInvalidArgument,
+                prefix(dir) + "unknown kernel family arch = " + to_string(arch) + " (known: " + known_families() + ")");
   if (p.softcap > 0.f && p.alibi_slopes != nullptr &&
       !(dir == Direction::kForward ? contains(fam->softcap_alibi_fwd, fam->num_softcap_alibi_fwd, p.head_dim)
                                    : contains(fam->softcap_alibi_bwd, fam->num_softcap_alibi_bwd, p.head_dim)))
@@ -237,18 +234,19 @@ Status check_problem(const AttnProblem& p, int arch, Direction dir) {
   if (p.head_dim_real != 0 && p.head_dim_real != p.head_dim &&
       !(dir == Direction::kForward ? fam->narrow_fwd : fam->narrow_bwd))
     return make(Status::kInvalidArgument, prefix(dir) + "the sm" + to_string(arch) + " family's " +
-                                              direction_word(dir) + " takes no head_dim_real (pad the tensors to head_dim)");
+                                              direction_word(dir) +
+                                              " takes no head_dim_real (pad the tensors to head_dim)");
   if (p.is_varlen() && !(dir == Direction::kForward ? fam->varlen_fwd : fam->varlen_bwd))
-    return make(Status::kNotBuilt, prefix(dir) + "the sm" + to_string(arch) +
-                                       " family has no variable-length " + direction_word(dir) + " kernel (cu_seqlens)");
+    return make(Status::kNotBuilt, prefix(dir) + "the sm" + to_string(arch) + " family has no variable-length " +
+                                       direction_word(dir) + " kernel (cu_seqlens)");
   if (!contains(fam->head_dims, fam->num_head_dims, p.head_dim))
-    return make(Status::kInvalidArgument,
-                prefix(dir) + "head_dim = " + to_string(p.head_dim) +
-                    " is not an instantiated size of the sm" + to_string(arch) + " family (" +
-                    join_ints(fam->head_dims, fam->num_head_dims) + "); pad the head dim up to the next one");
+    return make(Status::kInvalidArgument, prefix(dir) + "head_dim = " + to_string(p.head_dim) +
+                                              " is not an instantiated size of the sm" + to_string(arch) + " family (" +
+                                              join_ints(fam->head_dims, fam->num_head_dims) +
+                                              "); pad the head dim up to the next one");
   if ((dir == Direction::kForward && !fam->has_fwd) || (dir == Direction::kBackward && !fam->has_bwd))
-    return make(Status::kNotBuilt, "cutlass_flash has no " + std::string(direction_word(dir)) +
-                                       " kernel in the sm" + to_string(arch) + " family");
+    return make(Status::kNotBuilt, "cutlass_flash has no " + std::string(direction_word(dir)) + " kernel in the sm" +
+                                       to_string(arch) + " family");
   return Status::Ok();
 }
 
@@ -285,8 +283,9 @@ Status run_fwd(const FwdParams& params, int arch, cudaStream_t stream) {
         dispatch::check_tensor(dir, "v", params.v, p, dispatch::rows_k(p), p.nheads_kv),
         dispatch::check_tensor(dir, "o", params.o, p, dispatch::rows_q(p), p.nheads),
         dispatch::check_scalar_ptr(dir, "lse", params.lse, alignof(float)),
-        fwd_workspace_bytes(p, arch) == 0 ? Status::Ok()
-                                          : dispatch::check_scalar_ptr(dir, "workspace", params.workspace, kFwdWorkspaceAlign),
+        fwd_workspace_bytes(p, arch) == 0
+            ? Status::Ok()
+            : dispatch::check_scalar_ptr(dir, "workspace", params.workspace, kFwdWorkspaceAlign),
     };
   }, &dispatch::Entry::fwd);
 }
@@ -306,8 +305,9 @@ Status run_bwd(const BwdParams& params, int arch, cudaStream_t stream) {
         dispatch::check_tensor(dir, "dv", params.dv, p, dispatch::rows_k(p), p.nheads_kv),
         dispatch::check_scalar_ptr(dir, "workspace", params.workspace, 256),
         params.dsink_rows == nullptr ? Status::Ok()
-        : p.sinks == nullptr ? dispatch::make(Status::kInvalidArgument, dispatch::prefix(dir) + "dsink_rows needs sinks")
-                             : dispatch::check_scalar_ptr(dir, "dsink_rows", params.dsink_rows, alignof(float)),
+        : p.sinks == nullptr
+            ? dispatch::make(Status::kInvalidArgument, dispatch::prefix(dir) + "dsink_rows needs sinks")
+            : dispatch::check_scalar_ptr(dir, "dsink_rows", params.dsink_rows, alignof(float)),
     };
   }, &dispatch::Entry::bwd);
 }
@@ -321,8 +321,7 @@ size_t fwd_workspace_bytes(const AttnProblem& problem, int arch) {
 }
 
 size_t bwd_workspace_bytes(const AttnProblem& problem, int arch, bool deterministic) {
-  if (problem.batch <= 0 || problem.nheads <= 0 || problem.seqlen_q <= 0 || problem.head_dim <= 0)
-    return 0;
+  if (problem.batch <= 0 || problem.nheads <= 0 || problem.seqlen_q <= 0 || problem.head_dim <= 0) return 0;
   const dispatch::CatalogFamily* fam = dispatch::find_family(arch);
   if (fam == nullptr || !fam->has_bwd) return 0;  // no backward kernel in that family
   return bwd_workspace_layout(problem, deterministic, arch).total_bytes + bwd_varlen_bytes(problem);

@@ -15,7 +15,7 @@ enum class Direction : int { kForward = 0, kBackward = 1 };
 
 // One compiled instantiation: the generator (csrc/generate.py) writes the list.
 struct KernelKey {
-  int arch;          // kernel family: 80 (Ampere-style, mma.sync) or 90 (Hopper, wgmma)
+  int arch;  // kernel family: 80 (Ampere-style, mma.sync) or 90 (Hopper, wgmma)
   Direction direction;
   int head_dim;
   DType dtype;

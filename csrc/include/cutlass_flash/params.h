@@ -13,7 +13,7 @@ enum class DType : int { kFloat16 = 0, kBFloat16 = 1 };
 struct TensorRef4 {
   void* ptr = nullptr;
   int64_t batch_stride = 0;
-  int64_t row_stride = 0;   // stride between consecutive sequence positions
+  int64_t row_stride = 0;  // stride between consecutive sequence positions
   int64_t head_stride = 0;
 };
 
@@ -41,7 +41,7 @@ struct AttnProblem {
   int seqlen_k = 0;
   int nheads = 0;
   int nheads_kv = 0;
-  int head_dim = 0;          // the instantiated head dim (the kernels' tile width)
+  int head_dim = 0;  // the instantiated head dim (the kernels' tile width)
   // Columns of q, k, v, o, dout, dq, dk, dv in memory, a multiple of 8 up to head_dim (0: head_dim):
   // a head dim without kernels of its own runs on the next instantiated one without a padded copy.
   // The kernels load the real columns, hold zeros in the others (which add nothing to any dot
@@ -91,9 +91,9 @@ struct AttnProblem {
 
 struct FwdParams {
   AttnProblem problem;
-  TensorRef4 q, k, v;   // inputs
-  TensorRef4 o;         // output, same dtype as q
-  float* lse = nullptr; // output, contiguous (batch, nheads, seqlen_q) or (nheads, total_q), natural log
+  TensorRef4 q, k, v;    // inputs
+  TensorRef4 o;          // output, same dtype as q
+  float* lse = nullptr;  // output, contiguous (batch, nheads, seqlen_q) or (nheads, total_q), natural log
   // Scratch, at least fwd_workspace_bytes(problem, arch) bytes (may be null when that is 0),
   // 16-byte aligned; need not be zeroed (the sm90 tile counter is zeroed on the stream).
   void* workspace = nullptr;

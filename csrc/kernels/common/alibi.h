@@ -43,13 +43,13 @@ struct Alibi {
     // the first entry's by a compile-time constant, so the distance is one float base plus a
     // constant: an FADD per score instead of an integer-to-float conversion, which runs on the
     // pipe the softmax's exponentials saturate.
-    const int row0 = cute::get<kTransposed ? 1 : 0>(coords(0));
-    const int col0 = cute::get<kTransposed ? 0 : 1>(coords(0));
+    const int row0 = cute::get<(kTransposed ? 1 : 0)>(coords(0));
+    const int col0 = cute::get<(kTransposed ? 0 : 1)>(coords(0));
     const float base = float(row0 + row_offset + mask.diag() - col0 - col_offset);
     CUTE_UNROLL
     for (int i = 0; i < cute::size(scores); ++i) {
-      const int row = cute::get<kTransposed ? 1 : 0>(coords(i)) - row0;
-      const int col = cute::get<kTransposed ? 0 : 1>(coords(i)) - col0;
+      const int row = cute::get<(kTransposed ? 1 : 0)>(coords(i)) - row0;
+      const int col = cute::get<(kTransposed ? 0 : 1)>(coords(i)) - col0;
       scores(i) -= slope * fabsf(base + float(row - col));
     }
   }

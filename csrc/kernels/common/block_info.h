@@ -19,8 +19,7 @@ struct SeqInfo {
   // Variable-length: the offsets clamped to [0, total] and each length to the problem's maximum,
   // so that no cu_seqlens content takes an access past a tensor (AttnProblem); seqused can only
   // shorten a sequence within its slot, so it needs no clamp of its own beyond >= 0.
-  __host__ __device__ SeqInfo(const AttnProblem& p, int b)
-      : batch(b), seqlen_q(p.seqlen_q), seqlen_k(p.seqlen_k) {
+  __host__ __device__ SeqInfo(const AttnProblem& p, int b) : batch(b), seqlen_q(p.seqlen_q), seqlen_k(p.seqlen_k) {
     if (p.is_varlen()) {
       q_start = clamp_offset(p.cu_seqlens_q[b], p.total_q);
       k_start = clamp_offset(p.cu_seqlens_k[b], p.total_k);

@@ -45,7 +45,9 @@ struct Dropout {
   // undropped P, to the dV GEMM, which takes max(P, 0)).
   struct Zero {
     template <typename T>
-    __device__ void operator()(T& x, bool keep) const { x = keep ? x : T(0); }
+    __device__ void operator()(T& x, bool keep) const {
+      x = keep ? x : T(0);
+    }
   };
   struct Negate {
     __device__ void operator()(float& x, bool keep) const { x = keep ? x : -x; }
@@ -75,8 +77,7 @@ struct Dropout {
   // call's rng_state (seed lo, hi, offset lo, hi).
   __device__ uint4 call(const uint4& rng, int i, int j) const {
     const uint32_t sub = (uint32_t(head) << 5) | (uint32_t(i & 7) << 2) | (uint32_t(j & 7) >> 1);
-    return Philox::generate(make_uint4(uint32_t(j) >> 5, uint32_t(i) >> 4, sub, uint32_t(batch) + rng.z), rng.x,
-                            rng.y);
+    return Philox::generate(make_uint4(uint32_t(j) >> 5, uint32_t(i) >> 4, sub, uint32_t(batch) + rng.z), rng.x, rng.y);
   }
 
   // Calls f(mi, ni, keep) for each score (mi, ni) of a register tile of P. c: the tile's (row,
@@ -187,7 +188,7 @@ struct Dropout {
     constexpr int kRows = decltype(size<0>(c))::value, kGroups = decltype(size<1>(c))::value / 2;  // n8 groups
     static_assert(kRows % 2 == 0 && (kAlign == 16 || kAlign == 32));
     static_assert(decltype(p_rc.layout()(make_coord(_0{}, _1{})))::value == 1 &&
-                  decltype(p_rc.layout()(make_coord(_0{}, _2{})))::value % 2 == 0,
+                      decltype(p_rc.layout()(make_coord(_0{}, _2{})))::value % 2 == 0,
                   "a row's column pair is one 32-bit register");
     // kShift: the tile's first n8 group's place in its 32-column group (0, or 2 for a tile that
     // starts 16 columns in: d = 256's 80-column key blocks, every second one). A call covers the
@@ -230,9 +231,8 @@ struct Dropout {
     constexpr int kRows = decltype(cute::size<0>(c))::value;
     static_assert(decltype(cute::size(c))::value <= 64);
     uint64_t bits = 0;
-    for_each_keep<kTransposed, kPairStep, kAlign>(c, row_offset, col_offset, [&](int mi, int ni, bool keep) {
-      bits |= uint64_t(keep) << (mi + kRows * ni);
-    });
+    for_each_keep<kTransposed, kPairStep, kAlign>(
+        c, row_offset, col_offset, [&](int mi, int ni, bool keep) { bits |= uint64_t(keep) << (mi + kRows * ni); });
     return bits;
   }
 

@@ -26,13 +26,11 @@ Status ensure_smem_limit(int smem_bytes) {
   int device = 0;
   if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return cuda_status(err, "cudaGetDevice");
   if (device < kMaxDevices && done[device].load(std::memory_order_acquire)) return Status::Ok();
-  Status s = cuda_status(
-      cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes),
-      "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+  Status s = cuda_status(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes),
+                         "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
   if (s.ok() && device < kMaxDevices) done[device].store(true, std::memory_order_release);
   return s;
 }
-
 
 // An attribute of the current device, queried once per device (persistent grids size themselves
 // by the multiprocessor count on every call).
@@ -43,7 +41,8 @@ Status device_attribute(int& value, const char* what) {
   int device = 0;
   if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return cuda_status(err, "cudaGetDevice");
   if (device < kMaxDevices && (value = cached[device].load(std::memory_order_relaxed)) > 0) return Status::Ok();
-  if (cudaError_t err = cudaDeviceGetAttribute(&value, kAttr, device); err != cudaSuccess) return cuda_status(err, what);
+  if (cudaError_t err = cudaDeviceGetAttribute(&value, kAttr, device); err != cudaSuccess)
+    return cuda_status(err, what);
   if (device < kMaxDevices) cached[device].store(value, std::memory_order_relaxed);
   return Status::Ok();
 }
@@ -57,7 +56,8 @@ Status resident_blocks(int threads, int smem, int& blocks) {
   int device = 0;
   if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return cuda_status(err, "cudaGetDevice");
   if (device < kMaxDevices && (blocks = cached[device].load(std::memory_order_relaxed)) > 0) return Status::Ok();
-  if (cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kKernel, threads, smem); err != cudaSuccess)
+  if (cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kKernel, threads, smem);
+      err != cudaSuccess)
     return cuda_status(err, "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
   if (device < kMaxDevices) cached[device].store(blocks, std::memory_order_relaxed);
   return Status::Ok();

@@ -58,7 +58,7 @@ struct WindowMask {
       const int first_row = n_begin - diag() - window_right;
       m_min = max(0, first_row) / kBlockM;
     }
-    if (has_left()) {   // row i sees column j when i <= j - diag + window_left
+    if (has_left()) {  // row i sees column j when i <= j - diag + window_left
       const int last_row = n_end - 1 - diag() + window_left;
       m_max = min(m_max, max(0, last_row + kBlockM) / kBlockM);
     }

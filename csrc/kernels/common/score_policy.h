@@ -100,8 +100,8 @@ struct ScorePolicy {
   }
   template <bool kTransposed = false, typename TensorS, typename TensorC, typename Masked>
   __device__ void before_softmax(TensorS& s, const TensorC& coords, int row0, int col0, Masked&& masked) const {
-    before_softmax<kTransposed>(
-        s, coords, row0, col0, masked, [&](TensorS& x) { softcap().tanh_scores(x); }, [&] { return alibi().slope(); });
+    before_softmax<kTransposed>(s, coords, row0, col0, masked, [&](TensorS& x) { softcap().tanh_scores(x); },
+                                [&] { return alibi().slope(); });
   }
 
   // `masked` of before_softmax: a bool, or a callable asked after tanh and the bias. Asked before

@@ -50,9 +50,7 @@ struct OnlineSoftmax {
 
   // A row whose max is -inf (every entry masked so far) uses 0 as its offset, so exp2 gives 0
   // instead of NaN from (-inf) - (-inf).
-  __device__ __forceinline__ float scaled_max(float m) const {
-    return m == -INFINITY ? 0.f : m * scale_log2;
-  }
+  __device__ __forceinline__ float scaled_max(float m) const { return m == -INFINITY ? 0.f : m * scale_log2; }
 
   static constexpr float kRescaleThreshold = 8.f;
 

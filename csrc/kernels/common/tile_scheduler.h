@@ -25,8 +25,8 @@ struct VarlenTiles {
   // whether a list of the launch was cut at its capacity (bad cu_seqlens: overlapping sequences).
   int* count = nullptr;
   int capacity = 0;
-  int block = 0;          // rows per tile
-  bool keys = false;      // tiles of key rows (cu_seqlens_k), else of query rows
+  int block = 0;      // rows per tile
+  bool keys = false;  // tiles of key rows (cu_seqlens_k), else of query rows
 
   // Host: the list of `block`-row tiles at `storage` (16-byte aligned, varlen_list_bytes with a
   // block no larger).
@@ -92,8 +92,11 @@ struct PersistentTileScheduler {
 
   __host__ __device__ PersistentTileScheduler(int num_blocks_, int nheads_, int batch, bool longest_first_,
                                               int group_ = 1)
-      : num_blocks(num_blocks_), nheads(nheads_), num_tiles(num_blocks_ * nheads_ * batch),
-        longest_first(longest_first_), group(group_) {}
+      : num_blocks(num_blocks_),
+        nheads(nheads_),
+        num_tiles(num_blocks_ * nheads_ * batch),
+        longest_first(longest_first_),
+        group(group_) {}
 
   static constexpr int kCausalGroup = 16;
 

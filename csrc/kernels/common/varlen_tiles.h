@@ -68,7 +68,7 @@ __device__ void build_tile_lists(const VarlenTilesArgs& args) {
   bool cut = false;  // thread 0: a list was cut at its capacity
   for (int l = 0; l < args.num_lists; ++l) {
     const VarlenTiles& list = args.lists[l];
-    int carry = 0;      // tiles of the earlier chunks, at most list.capacity
+    int carry = 0;       // tiles of the earlier chunks, at most list.capacity
     int64_t wanted = 0;  // tiles of every sequence: above the capacity only for bad cu_seqlens
     for (int base = 0; base < p.batch; base += kThreads) {
       const int b = base + tid;
@@ -130,7 +130,8 @@ __device__ inline void clear_padding_rows(const VarlenTilesArgs& args) {
   const int head_dim = p.cols();  // the tensors' own columns
   const int q_first = min(max(p.cu_seqlens_q[p.batch], 0), p.total_q);
   const int k_first = min(max(p.cu_seqlens_k[p.batch], 0), p.total_k);
-  const int64_t stride = int64_t(gridDim.x - 1) * blockDim.x, start = int64_t(blockIdx.x - 1) * blockDim.x + threadIdx.x;
+  const int64_t stride = int64_t(gridDim.x - 1) * blockDim.x,
+                start = int64_t(blockIdx.x - 1) * blockDim.x + threadIdx.x;
   for (int c = 0; c < args.num_clears; ++c) {
     const VarlenTilesArgs::Clear& t = args.clears[c];
     const int first = t.keys ? k_first : q_first;

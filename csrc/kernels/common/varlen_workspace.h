@@ -19,8 +19,8 @@ constexpr int kVarlenMinBlock = 16;
 constexpr size_t kVarlenListHeaderBytes = 16;
 
 // Tiles of at most `block` rows over sequences of `total` rows in all: sum of ceil(len_b / block)
-// <= (total + batch * (block - 1)) / block when cu_seqlens is monotone. Other content is cut at this bound (wrong numbers, never an access
-// outside the list).
+// <= (total + batch * (block - 1)) / block when cu_seqlens is monotone. Other content is cut at this bound (wrong
+// numbers, never an access outside the list).
 CUTLASS_FLASH_HOST_DEVICE inline int64_t varlen_tile_capacity(int total, int batch, int block) {
   return (int64_t(total) + int64_t(batch) * (block - 1)) / block;
 }

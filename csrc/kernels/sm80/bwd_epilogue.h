@@ -18,8 +18,8 @@ struct BwdEpilogue {
   static constexpr int kHeadDim = Traits::kHeadDim;
 
   template <typename TensorAcc, typename TensorG, typename Cols>
-  __device__ static void store(TensorAcc& acc_dk, TensorAcc& acc_dv, TensorG& gdK, TensorG& gdV,
-                               float softmax_scale, float dv_scale, char* smem, int rows_left, Cols cols) {
+  __device__ static void store(TensorAcc& acc_dk, TensorAcc& acc_dv, TensorG& gdK, TensorG& gdV, float softmax_scale,
+                               float dv_scale, char* smem, int rows_left, Cols cols) {
     const int tid = threadIdx.x;
     CUTE_UNROLL
     for (int i = 0; i < size(acc_dk); ++i) {

@@ -26,10 +26,10 @@ using namespace cute;
 // each thread reading back the accumulators it would have held in the main kernel's dQ MMA
 // (dq_accum_index: coalesced 4-byte loads).
 template <typename Traits, bool kPacked>
-__global__ void __launch_bounds__(Traits::kNThreads) bwd_convert_dq_kernel(const __grid_constant__ BwdParams params,
-                                                                              const __grid_constant__ VarlenTiles rows) {
-  convert_dq<kFamilyArch, Traits, Traits::kNThreads, kPacked>(params, rows, [](auto& acc, const float* tile, int tid,
-                                                                               auto add) {
+__global__ void __launch_bounds__(Traits::kNThreads)
+    bwd_convert_dq_kernel(const __grid_constant__ BwdParams params, const __grid_constant__ VarlenTiles rows) {
+  convert_dq<kFamilyArch, Traits, Traits::kNThreads, kPacked>(params, rows,
+                                                              [](auto& acc, const float* tile, int tid, auto add) {
     CUTE_UNROLL
     for (int i = 0; i < size(acc); ++i) {
       const float v = tile[dq_accum_index<Traits>(i, tid)];
@@ -91,18 +91,19 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
     const int64_t bh_row = seq.workspace_row(p, ws.rows_per_head, head);
     Tensor gQ = local_tile(rows_tensor(seq.q_rows<Element>(p, params.q, head), seq.seqlen_q, params.q.row_stride),
                            QTile{}, make_coord(_, 0));
-    Tensor gdO = local_tile(rows_tensor(seq.q_rows<Element>(p, params.dout, head), seq.seqlen_q, params.dout.row_stride),
-                            QTile{}, make_coord(_, 0));
+    Tensor gdO =
+        local_tile(rows_tensor(seq.q_rows<Element>(p, params.dout, head), seq.seqlen_q, params.dout.row_stride),
+                   QTile{}, make_coord(_, 0));
     const int64_t dq_row = bh_row + ws.dq_group_row(n_block);
     float* dq_accum = reinterpret_cast<float*>(workspace + ws.dq_accum_offset) + dq_row * kHeadDim;
     const float* dpsum = reinterpret_cast<const float*>(workspace + ws.dpsum_offset) + bh_row;
     const float* lse = params.lse + seq.lse_row(p, head);
     // A packed batch whose tile list was cut (bad cu_seqlens) adds dQ unordered: its turns would
     // wait for blocks that never run (VarlenTiles::truncated).
-    const bool ordered = params.deterministic && !(Scheduler::kPackable && sched.tiles.count != nullptr &&
-                                                   sched.tiles.truncated());
-    const typename Mainloop::DqOrder dq_order{ordered ? reinterpret_cast<int*>(workspace + ws.dq_semaphore_offset) : nullptr,
-                              dq_row, n_block, ws.dq_groups};
+    const bool ordered =
+        params.deterministic && !(Scheduler::kPackable && sched.tiles.count != nullptr && sched.tiles.truncated());
+    const typename Mainloop::DqOrder dq_order{
+        ordered ? reinterpret_cast<int*>(workspace + ws.dq_semaphore_offset) : nullptr, dq_row, n_block, ws.dq_groups};
     // K and V (loaded again for each query head) from the tile read here: built before the loop,
     // their addresses were held across it and spilled (48 B at d = 64, 92 B at d = 256, sm_80).
     const TileCoord kv = Scheduler::get_here(sched, /*longest_first=*/false);

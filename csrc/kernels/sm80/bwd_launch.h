@@ -36,10 +36,10 @@ Status launch_bwd_plain(const BwdParams& params, int n_blocks, cudaStream_t stre
     if (Status s = smem_per_block_optin(limit); !s.ok()) return s;
     if (PlainTraits::kSmemBytes <= limit)
       return launch_bwd_main<PlainTraits, PlainScores, DenseGridTileScheduler, /*kOrderedDq=*/false>(params, {},
-                                                                                                   n_blocks, stream);
+                                                                                                     n_blocks, stream);
   }
   return launch_bwd_main<Traits, PlainScores, DenseGridTileScheduler, /*kOrderedDq=*/false>(params, {}, n_blocks,
-                                                                                          stream);
+                                                                                            stream);
 }
 
 template <int kHeadDim, typename Element>
@@ -60,15 +60,18 @@ Status run_bwd(const BwdParams& params, cudaStream_t stream) {
   VarlenTiles rows;
   GridTileScheduler::Params sched;
   if (p.is_varlen()) {
-    if (Status s = launch_bwd_varlen_prep(params, kFamilyArch, kTile.block_n, stream, rows, sched.tiles, "sm80 backward");
+    if (Status s =
+            launch_bwd_varlen_prep(params, kFamilyArch, kTile.block_n, stream, rows, sched.tiles, "sm80 backward");
         !s.ok())
       return s;
   }
   const dim3 pre_grid = BwdPreprocess::grid(params, kFamilyArch, rows);
   if (p.is_varlen())
-    bwd_preprocess_kernel<kFamilyArch, kHeadDim, Element, true><<<pre_grid, BwdPreprocess::kWarps * 32, 0, stream>>>(params, rows);
+    bwd_preprocess_kernel<kFamilyArch, kHeadDim, Element, true>
+        <<<pre_grid, BwdPreprocess::kWarps * 32, 0, stream>>>(params, rows);
   else
-    bwd_preprocess_kernel<kFamilyArch, kHeadDim, Element, false><<<pre_grid, BwdPreprocess::kWarps * 32, 0, stream>>>(params, rows);
+    bwd_preprocess_kernel<kFamilyArch, kHeadDim, Element, false>
+        <<<pre_grid, BwdPreprocess::kWarps * 32, 0, stream>>>(params, rows);
   if (Status s = cuda_status(cudaGetLastError(), "sm80 backward preprocess launch"); !s.ok()) return s;
 
   // Four instantiations (five at d > 128): dense calls run kernels without the packed path
@@ -78,18 +81,19 @@ Status run_bwd(const BwdParams& params, cudaStream_t stream) {
   // allows (launch_bwd_plain); tensors narrower than the tile (head_dim_real), dense or packed, one
   // that predicates by column (BwdTraits::kNarrow).
   const int n_blocks = ceil_div(p.seqlen_k, kTile.block_n);
-  const Status s = p.cols() != kHeadDim
-                       ? launch_bwd_main<NarrowTraits, AllScoreFeatures, GridTileScheduler>(params, sched, n_blocks, stream)
-                   : p.is_varlen()
-                       ? launch_bwd_main<Traits, AllScoreFeatures, GridTileScheduler>(params, sched, n_blocks, stream)
-                   : PlainScores::covers(p) && !params.deterministic
-                       ? launch_bwd_plain<PlainTraits, Traits>(params, n_blocks, stream)
-                       : launch_bwd_main<Traits, AllScoreFeatures, DenseGridTileScheduler>(params, {}, n_blocks, stream);
+  const Status s =
+      p.cols() != kHeadDim
+          ? launch_bwd_main<NarrowTraits, AllScoreFeatures, GridTileScheduler>(params, sched, n_blocks, stream)
+      : p.is_varlen() ? launch_bwd_main<Traits, AllScoreFeatures, GridTileScheduler>(params, sched, n_blocks, stream)
+      : PlainScores::covers(p) && !params.deterministic
+          ? launch_bwd_plain<PlainTraits, Traits>(params, n_blocks, stream)
+          : launch_bwd_main<Traits, AllScoreFeatures, DenseGridTileScheduler>(params, {}, n_blocks, stream);
   if (!s.ok()) return s;
 
   static_assert(kBwdRowAlign % kTile.block_m == 0, "dQ conversion blocks split the packed row tiles");
-  const dim3 q_grid = rows.count != nullptr ? dim3(unsigned(rows.capacity * (kBwdRowAlign / kTile.block_m)), p.nheads, 1)
-                                            : dim3(ceil_div(p.seqlen_q, kTile.block_m), p.nheads, p.batch);
+  const dim3 q_grid = rows.count != nullptr
+                          ? dim3(unsigned(rows.capacity * (kBwdRowAlign / kTile.block_m)), p.nheads, 1)
+                          : dim3(ceil_div(p.seqlen_q, kTile.block_m), p.nheads, p.batch);
   if (p.is_varlen())
     bwd_convert_dq_kernel<Traits, true><<<q_grid, Traits::kNThreads, 0, stream>>>(params, rows);
   else

@@ -103,9 +103,9 @@ struct BwdMainloop {
   // query blocks [m_min, m_max).
   template <typename TensorQ, typename TensorK, typename TensorAcc>
   __device__ static void run(const TensorQ& gQ, const TensorQ& gdO, const TensorK& gK, const TensorK& gV,
-                             float* dq_accum, const float* lse, const float* dpsum, char* smem,
-                             const AttnProblem& p, const Score& score, int n_block, int m_min, int m_max, float scale_log2,
-                             TensorAcc& acc_dk, TensorAcc& acc_dv, const DqOrder& dq_order) {
+                             float* dq_accum, const float* lse, const float* dpsum, char* smem, const AttnProblem& p,
+                             const Score& score, int n_block, int m_min, int m_max, float scale_log2, TensorAcc& acc_dk,
+                             TensorAcc& acc_dv, const DqOrder& dq_order) {
     const WindowMask& mask = score.mask;
     const int tid = threadIdx.x;
     constexpr int kQTile = Traits::kQTile, kKVTile = Traits::kKVTile, kPTile = Traits::kPTile;
@@ -138,7 +138,8 @@ struct BwdMainloop {
       auto thr = gmem_copy.get_thread_slice(t);
       Tensor tcoord = thr.partition_S(make_identity_tensor(shape(g_tile)));
       Tensor dst = thr.partition_D(s_tile);
-      copy_rows(gmem_copy, thr.partition_S(g_tile), dst, tcoord, FirstOf{rows}, tile_cols<Traits::kNarrow>(p));  // p: constant memory
+      copy_rows(gmem_copy, thr.partition_S(g_tile), dst, tcoord, FirstOf{rows},
+                tile_cols<Traits::kNarrow>(p));  // p: constant memory
     };
     // A query block below the last one: every row exists (AllOf).
     auto load_full_tile = [&](const auto& g_tile, auto& s_tile, int t) {
@@ -232,9 +233,10 @@ struct BwdMainloop {
       }
       if (score.dropout_on()) {  // dropped probabilities negated until dS is computed (Dropout::Negate)
         const auto c0 = s_coords(loop_tid())(0);
-        score.template drop</*kTransposed=*/false, /*kPairStep=*/8 * Traits::kWarpsNSdP, Dropout::column_align(kBlockN)>(
-            p_rc, rowcol_view(make_coord_tensor(tScS.layout())), m * kBlockM + get<0>(c0), n_block * kBlockN + get<1>(c0),
-            Dropout::Negate{});
+        score
+            .template drop</*kTransposed=*/false, /*kPairStep=*/8 * Traits::kWarpsNSdP, Dropout::column_align(kBlockN)>(
+                p_rc, rowcol_view(make_coord_tensor(tScS.layout())), m * kBlockM + get<0>(c0),
+                n_block * kBlockN + get<1>(c0), Dropout::Negate{});
       }
 
       Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
@@ -244,7 +246,7 @@ struct BwdMainloop {
       score.scores_grad(p_rc, ds_rc, [&](int mi) { return dpsum_r[mi]; });
       score.softcap_grad(p_rc, ds_rc, [&](int mi) { return lse_r[mi]; });
       score.dropped_to_zero(acc_s);  // P for the dV GEMM
-      const int t = loop_tid();  // everything below: offsets computed here, after the peak
+      const int t = loop_tid();      // everything below: offsets computed here, after the peak
       {
         Tensor rP = convert_type<Element>(acc_s);
         Tensor rdS = convert_type<Element>(acc_dp);
@@ -260,8 +262,8 @@ struct BwdMainloop {
       {
         Tensor tdVrPt = thr_dkv.partition_fragment_A(sPtNoSwizzle);
         Tensor tdVrdO = thr_dkv.partition_fragment_B(sdOtNoSwizzle);
-        gemm_ss(acc_dv, tdVrPt, tdVrdO, thr_a_dkv.partition_S(sPt), thr_b_dkv.partition_S(sdOt), mma_dkv,
-                copy_a_dkv, copy_b_dkv, thr_a_dkv, thr_b_dkv);
+        gemm_ss(acc_dv, tdVrPt, tdVrdO, thr_a_dkv.partition_S(sPt), thr_b_dkv.partition_S(sdOt), mma_dkv, copy_a_dkv,
+                copy_b_dkv, thr_a_dkv, thr_b_dkv);
       }
       __syncthreads();  // every warp finished reading dO(m)
       if (m > m_min) {

@@ -47,12 +47,12 @@ struct BwdTraits {
   using SmemLayoutKV = typename Smem::template Tile<kBlockN>;
   using SmemLayoutQdOt = Transposed<SmemLayoutQdO, kBlockM, kHeadDim>;  // (d, kBlockM)
   using SmemLayoutQdOtNoSwizzle = decltype(get_nonswizzle_portion(SmemLayoutQdOt{}));
-  using SmemLayoutKt = Transposed<SmemLayoutKV, kBlockN, kHeadDim>;     // (d, kBlockN)
+  using SmemLayoutKt = Transposed<SmemLayoutKV, kBlockN, kHeadDim>;  // (d, kBlockN)
   using SmemLayoutKtNoSwizzle = decltype(get_nonswizzle_portion(SmemLayoutKt{}));
 
   // P and dS tiles (kBlockM, kBlockN), written from registers, read transposed for dV and dK.
   static constexpr int kPBlockN = kBlockN >= 64 ? 64 : 32;
-  using SmemLayoutAtomPdS = decltype(composition(Swizzle<kPBlockN == 64 ? 3 : 2, 3, 3>{},
+  using SmemLayoutAtomPdS = decltype(composition(Swizzle<(kPBlockN == 64 ? 3 : 2), 3, 3>{},
                                                  Layout<Shape<_8, Int<kPBlockN>>, Stride<Int<kPBlockN>, _1>>{}));
   using SmemLayoutPdS = decltype(tile_to_shape(SmemLayoutAtomPdS{}, Shape<Int<kBlockM>, Int<kBlockN>>{}));
   using SmemLayoutPdSt = Transposed<SmemLayoutPdS, kBlockM, kBlockN>;  // (kBlockN, kBlockM)
@@ -63,10 +63,10 @@ struct BwdTraits {
   using SmemCopyAtomStore = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<32>, Element>;
 
   using GmemThreads = typename Smem::template GmemThreadLayout<kNThreads>;
-  using GmemCopyIn = decltype(make_tiled_copy(Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<uint128_t>, Element>{},
-                                              GmemThreads{}, Layout<Shape<_1, _8>>{}));
-  using GmemCopyOut = decltype(make_tiled_copy(Copy_Atom<UniversalCopy<uint128_t>, Element>{}, GmemThreads{},
-                                               Layout<Shape<_1, _8>>{}));
+  using GmemCopyIn = decltype(make_tiled_copy(Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<uint128_t>, Element>{}, GmemThreads{},
+                                              Layout<Shape<_1, _8>>{}));
+  using GmemCopyOut =
+      decltype(make_tiled_copy(Copy_Atom<UniversalCopy<uint128_t>, Element>{}, GmemThreads{}, Layout<Shape<_1, _8>>{}));
 
   // Shared memory, in order: Q (kQStages), dO, K, V, P, dS. dK and dV reuse the start at the end.
   static constexpr int kQTile = kBlockM * kHeadDim;

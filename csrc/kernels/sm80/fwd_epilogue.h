@@ -20,8 +20,8 @@ struct FwdEpilogue {
   // rows_left: valid query rows from this block's first one. smem may alias Q: the mainloop's
   // last barrier comes after its last read of Q.
   template <typename TensorAcc, typename TensorL, typename TensorGO, typename Cols>
-  __device__ static void store(const TensorAcc& acc_o, const TensorL& lse, TensorGO& gO, float* lse_out,
-                               char* smem, int rows_left, Cols cols) {
+  __device__ static void store(const TensorAcc& acc_o, const TensorL& lse, TensorGO& gO, float* lse_out, char* smem,
+                               int rows_left, Cols cols) {
     const int tid = threadIdx.x;
     Tensor sO = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});
     typename Traits::TiledMma tiled_mma;
@@ -34,8 +34,8 @@ struct FwdEpilogue {
     copy(copy_r2s, taccOrO, taccOsO);
 
     // The quad lane holding column 0 writes the LSE of its rows.
-    Tensor tOcO = rowcol_view(tiled_mma.get_thread_slice(tid).partition_C(
-        make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})));
+    Tensor tOcO = rowcol_view(
+        tiled_mma.get_thread_slice(tid).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})));
     if (get<1>(tOcO(0, 0)) == 0) {
       CUTE_UNROLL
       for (int mi = 0; mi < size<0>(tOcO); ++mi) {

@@ -28,8 +28,8 @@ Status launch_fwd(const FwdParams& params, const GridTileParams& sched, cudaStre
 template <typename StagedTraits, typename Traits>
 Status launch_fwd_plain(const FwdParams& params, cudaStream_t stream) {
   if constexpr (!std::is_same_v<StagedTraits, Traits>) {
-    constexpr auto staged = fwd_kernel<FwdMainloop<StagedTraits, PlainScores>, FwdEpilogue<StagedTraits>,
-                                       DenseGridTileScheduler>;
+    constexpr auto staged =
+        fwd_kernel<FwdMainloop<StagedTraits, PlainScores>, FwdEpilogue<StagedTraits>, DenseGridTileScheduler>;
     constexpr auto single = fwd_kernel<FwdMainloop<Traits, PlainScores>, FwdEpilogue<Traits>, DenseGridTileScheduler>;
     int limit = 0, staged_blocks = 0, single_blocks = 0;
     if (Status s = smem_per_block_optin(limit); !s.ok()) return s;

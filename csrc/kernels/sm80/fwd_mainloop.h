@@ -41,9 +41,8 @@ struct FwdMainloop {
 
   // gQ: (kBlockM, d); gK, gV: (kBlockN, d, num_n_blocks). Runs key blocks [n_min, n_max).
   template <typename TensorQ, typename TensorK, typename TensorV, typename TensorO, typename Softmax>
-  __device__ static void run(const TensorQ& gQ, const TensorK& gK, const TensorV& gV, char* smem,
-                             const AttnProblem& p, const Score& score, int m_block, int n_min, int n_max, TensorO& acc_o,
-                             Softmax& softmax) {
+  __device__ static void run(const TensorQ& gQ, const TensorK& gK, const TensorV& gV, char* smem, const AttnProblem& p,
+                             const Score& score, int m_block, int n_min, int n_max, TensorO& acc_o, Softmax& softmax) {
     const WindowMask& mask = score.mask;
     const int tid = threadIdx.x;
     Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});
@@ -142,7 +141,7 @@ struct FwdMainloop {
       Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
       clear(acc_s);
       cp_async_wait<0>();
-      __syncthreads();  // K(n) visible to all; every warp finished reading V(n+1)
+      __syncthreads();       // K(n) visible to all; every warp finished reading V(n+1)
       if (!kPlain || first)  // the last key block, which may end past the keys
         copy_rows(gmem_copy, tVgV(_, _, _, n), tVsV, tKVcKV, FirstOf{seqlen_k - n * kBlockN}, cols);
       else

@@ -21,8 +21,8 @@ template <typename Element, int kHeadDim>
 struct SmemTileLayout {
   static constexpr int kBlockK = kHeadDim % 64 == 0 ? 64 : 32;
   static constexpr int kSwizzle = kBlockK == 64 ? 3 : 2;
-  using Atom = decltype(composition(Swizzle<kSwizzle, 3, 3>{},
-                                    Layout<Shape<_8, Int<kBlockK>>, Stride<Int<kBlockK>, _1>>{}));
+  using Atom =
+      decltype(composition(Swizzle<kSwizzle, 3, 3>{}, Layout<Shape<_8, Int<kBlockK>>, Stride<Int<kBlockK>, _1>>{}));
   template <int kRows>
   using Tile = decltype(tile_to_shape(Atom{}, Shape<Int<kRows>, Int<kHeadDim>>{}));
   // Global <-> shared copies: 16 bytes (8 elements) per thread per access, rows of kBlockK.
@@ -53,8 +53,8 @@ struct FwdTraits {
   static_assert(kBlockM == 16 * kNWarps || kBlockM == 32 * kNWarps, "16 or 32 query rows per warp");
   static_assert(kBlockN % 16 == 0 && kHeadDim % 16 == 0, "the MMA tiles S and O exactly");
 
-  using TiledMma = TiledMMA<MMA_Atom<Mma16816<Element>>, Layout<Shape<Int<kNWarps>, _1, _1>>,
-                            Tile<Int<16 * kNWarps>, _16, _16>>;
+  using TiledMma =
+      TiledMMA<MMA_Atom<Mma16816<Element>>, Layout<Shape<Int<kNWarps>, _1, _1>>, Tile<Int<16 * kNWarps>, _16, _16>>;
 
   using Smem = SmemTileLayout<Element, kHeadDim>;
   using SmemLayoutQ = typename Smem::template Tile<kBlockM>;
@@ -71,8 +71,8 @@ struct FwdTraits {
   using GmemThreads = typename Smem::template GmemThreadLayout<kNThreads>;
   using GmemCopyQKV = decltype(make_tiled_copy(Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<uint128_t>, Element>{},
                                                GmemThreads{}, Layout<Shape<_1, _8>>{}));
-  using GmemCopyO = decltype(make_tiled_copy(Copy_Atom<UniversalCopy<uint128_t>, Element>{}, GmemThreads{},
-                                             Layout<Shape<_1, _8>>{}));
+  using GmemCopyO =
+      decltype(make_tiled_copy(Copy_Atom<UniversalCopy<uint128_t>, Element>{}, GmemThreads{}, Layout<Shape<_1, _8>>{}));
 
   // Q, then kKVStages K buffers and as many V buffers; O reuses Q's space in the epilogue.
   static constexpr int kSmemBytes = int(sizeof(Element)) * (kBlockM + 2 * kKVStages * kBlockN) * kHeadDim;

@@ -22,9 +22,7 @@ constexpr FwdTile fwd_tile(int head_dim) {
   // (0.89-0.93x FA2 against 0.87-0.93x); 8 warps at 128x64 measured 0.67-0.72x.
   // d = 192/256: 128x64 with 8 warps (16 rows per warp: 4 warps would need twice the O
   // accumulator registers per thread).
-  return head_dim <= 64    ? FwdTile{128, 64, 4}
-         : head_dim <= 128 ? FwdTile{128, 32, 4}
-                           : FwdTile{128, 64, 8};
+  return head_dim <= 64 ? FwdTile{128, 64, 4} : head_dim <= 128 ? FwdTile{128, 32, 4} : FwdTile{128, 64, 8};
 }
 
 // The plain forward (PlainScores: no softcap, ALiBi, dropout, packed batch or narrow head dim)
@@ -49,10 +47,10 @@ constexpr FwdTile fwd_plain_tile(int head_dim) {
 
 struct BwdTile {
   int block_m, block_n, warps;
-  int atom_m_sdp;   // warps along M for S = Q K^T and dP = dO V^T
-  int atom_n_dkv;   // warps along N for dK, dV
-  int atom_m_dq;    // warps along M for dQ
-  int q_stages;     // 2: the next Q block loads during the current one
+  int atom_m_sdp;  // warps along M for S = Q K^T and dP = dO V^T
+  int atom_n_dkv;  // warps along N for dK, dV
+  int atom_m_dq;   // warps along M for dQ
+  int q_stages;    // 2: the next Q block loads during the current one
   // true: the thread's shared/global-memory offsets used after the dP GEMM (P/dS stores, dV/dK/dQ
   // GEMMs, Q/dO loads) are recomputed in each iteration instead of being held in registers through
   // it, the register peak (bwd_mainloop.h). ptxas (nvcc 13.0), SASS instructions of one query block

@@ -100,7 +100,8 @@ __device__ __forceinline__ auto tile_cols(const AttnProblem& p) {
 // shared memory instead of read, so a partial tile never reads out of bounds and never feeds
 // garbage (possibly NaN) into the next GEMM (zero columns add nothing to it). Each copy moves 8
 // columns.
-template <typename TiledCopy, typename TensorG, typename TensorS, typename TensorC, typename Rows, typename Cols = AllOf>
+template <typename TiledCopy, typename TensorG, typename TensorS, typename TensorC, typename Rows,
+          typename Cols = AllOf>
 __device__ __forceinline__ void copy_rows(const TiledCopy& tiled_copy, const TensorG& src, TensorS& dst,
                                           const TensorC& coords, Rows rows, Cols cols = {}) {
   if constexpr (Rows::kAll && Cols::kAll) {

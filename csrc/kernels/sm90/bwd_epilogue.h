@@ -39,7 +39,7 @@ struct BwdEpilogue {
                                const SeqInfo& seq, int head_kv, int n_block, int tid, Element* smem_v) {
     constexpr bool kOwnRows = Traits::kOwnVRows;
     constexpr int kThreads = kOwnRows ? 128 : Traits::kNMmaThreads;  // threads that stage together
-    constexpr int kRows = kOwnRows ? 64 : kBlockN;                     // and the rows they write
+    constexpr int kRows = kOwnRows ? 64 : kBlockN;                   // and the rows they write
     const int group = tid / kThreads;
     const int barrier = kOwnRows ? int(BwdBarrier::kEpilogueWG1) + group : int(BwdBarrier::kEpilogue);
     typename Traits::TiledMmadKV mma_dkv;
@@ -72,10 +72,10 @@ struct BwdEpilogue {
 // per query tile, each thread reading back the accumulators it staged in the main kernel
 // (dq_index: coalesced float4 loads).
 template <typename Traits, bool kPacked>
-__global__ void __launch_bounds__(Traits::kNMmaThreads) bwd_convert_dq_kernel(const __grid_constant__ BwdParams params,
-                                                                                 const __grid_constant__ VarlenTiles rows) {
-  convert_dq<kFamilyArch, Traits, Traits::kNMmaThreads, kPacked>(params, rows, [](auto& acc, const float* tile,
-                                                                                  int tid, auto add) {
+__global__ void __launch_bounds__(Traits::kNMmaThreads)
+    bwd_convert_dq_kernel(const __grid_constant__ BwdParams params, const __grid_constant__ VarlenTiles rows) {
+  convert_dq<kFamilyArch, Traits, Traits::kNMmaThreads, kPacked>(params, rows,
+                                                                 [](auto& acc, const float* tile, int tid, auto add) {
     CUTE_UNROLL
     for (int j = 0; j < size(acc) / 4; ++j) {
       const float4 v = reinterpret_cast<const float4*>(tile)[dq_index<Traits>(4 * j, tid) / 4];

@@ -97,12 +97,12 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
       const BwdSteps steps = make_steps(make_mask());
       if (steps.count() > 0) {
         Mainloop::load_kv(params, shared, steps, n_block, head_kv);
-        Mainloop::load_rows(params.tma_q, p, params.rows_per_head, pipeline_q, shared.q.data(),
-                            shared.lse_log2.data(), params.lse_log2, steps);
+        Mainloop::load_rows(params.tma_q, p, params.rows_per_head, pipeline_q, shared.q.data(), shared.lse_log2.data(),
+                            params.lse_log2, steps);
       }
     } else if (threadIdx.x == kdOThread) {  // dO with its D
-      Mainloop::load_rows(params.tma_do, p, params.rows_per_head, pipeline_do, shared.dout.data(),
-                          shared.dpsum.data(), params.dpsum, make_steps(make_mask()));
+      Mainloop::load_rows(params.tma_do, p, params.rows_per_head, pipeline_do, shared.dout.data(), shared.dpsum.data(),
+                          params.dpsum, make_steps(make_mask()));
     } else if (threadIdx.x / 32 == kdQWarp) {
       const WindowMask mask = make_mask();
       Mainloop::dq_warp(params, shared, make_steps(mask), mask, n_block);

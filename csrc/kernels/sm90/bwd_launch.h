@@ -34,8 +34,10 @@ BwdKernelParams<Traits> make_bwd_kernel_params(const BwdParams& params) {
   auto smem_q = take<0, 2>(typename Traits::SmemLayoutQ{});
   kp.tma_q = make_tma_copy(SM90_TMA_LOAD{}, q, smem_q, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{});
   kp.tma_do = make_tma_copy(SM90_TMA_LOAD{}, dout, smem_q, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{});
-  kp.tma_k = make_tma_copy(SM90_TMA_LOAD{}, k, typename Traits::SmemLayoutKV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
-  kp.tma_v = make_tma_copy(SM90_TMA_LOAD{}, v, typename Traits::SmemLayoutKV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
+  kp.tma_k =
+      make_tma_copy(SM90_TMA_LOAD{}, k, typename Traits::SmemLayoutKV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
+  kp.tma_v =
+      make_tma_copy(SM90_TMA_LOAD{}, v, typename Traits::SmemLayoutKV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
   return kp;
 }
 
@@ -44,11 +46,10 @@ template <typename Traits>
 BwdKernelParams<Traits> bwd_kernel_params(const BwdParams& params) {
   const TmaPlanKey<4> key(params.problem, {&params.q, &params.dout, &params.k, &params.v});
   BwdKernelParams<Traits> kp = cached_kernel_params<BwdKernelParams<Traits>>(
-      key, [&] { return make_bwd_kernel_params<Traits>(params); },
-      [&](BwdKernelParams<Traits>& kp) {
-        return replace_address(kp.tma_q, params.q.ptr) && replace_address(kp.tma_do, params.dout.ptr) &&
-               replace_address(kp.tma_k, params.k.ptr) && replace_address(kp.tma_v, params.v.ptr);
-      });
+      key, [&] { return make_bwd_kernel_params<Traits>(params); }, [&](BwdKernelParams<Traits>& kp) {
+    return replace_address(kp.tma_q, params.q.ptr) && replace_address(kp.tma_do, params.dout.ptr) &&
+           replace_address(kp.tma_k, params.k.ptr) && replace_address(kp.tma_v, params.v.ptr);
+  });
   // Every per-call field is set here, not taken from the cached plan: the plan's key holds only
   // what the descriptors depend on (a cached softcap or cu_seqlens pointer would be stale).
   kp.problem = params.problem;
@@ -88,9 +89,11 @@ Status run_bwd_mainloop(const BwdParams& params, cudaStream_t stream) {
 
   const dim3 pre_grid = BwdPreprocess::grid(params, kFamilyArch, rows);
   if (p.is_varlen())
-    bwd_preprocess_kernel<kFamilyArch, kHeadDim, Element, true><<<pre_grid, BwdPreprocess::kWarps * 32, 0, stream>>>(params, rows);
+    bwd_preprocess_kernel<kFamilyArch, kHeadDim, Element, true>
+        <<<pre_grid, BwdPreprocess::kWarps * 32, 0, stream>>>(params, rows);
   else
-    bwd_preprocess_kernel<kFamilyArch, kHeadDim, Element, false><<<pre_grid, BwdPreprocess::kWarps * 32, 0, stream>>>(params, rows);
+    bwd_preprocess_kernel<kFamilyArch, kHeadDim, Element, false>
+        <<<pre_grid, BwdPreprocess::kWarps * 32, 0, stream>>>(params, rows);
   if (Status s = cuda_status(cudaGetLastError(), "sm90 backward preprocess launch"); !s.ok()) return s;
 
   // The TMA descriptors after a launch: encoded before this thread's first launch of the
@@ -102,7 +105,8 @@ Status run_bwd_mainloop(const BwdParams& params, cudaStream_t stream) {
   if (p.is_varlen()) {
     constexpr auto kernel = bwd_kernel<Mainloop, BwdEpilogue<Traits>, GridTileScheduler>;
     if (Status s = ensure_smem_limit<kernel>(Traits::kSmemBytes); !s.ok()) return s;
-    kernel<<<GridTileScheduler::grid(kp.scheduler, 0, p.nheads_kv, 1), Traits::kNThreads, Traits::kSmemBytes, stream>>>(kp);
+    kernel<<<GridTileScheduler::grid(kp.scheduler, 0, p.nheads_kv, 1), Traits::kNThreads, Traits::kSmemBytes, stream>>>(
+        kp);
   } else {
     constexpr auto kernel = bwd_kernel<Mainloop, BwdEpilogue<Traits>, DenseGridTileScheduler>;
     if (Status s = ensure_smem_limit<kernel>(Traits::kSmemBytes); !s.ok()) return s;
@@ -111,8 +115,9 @@ Status run_bwd_mainloop(const BwdParams& params, cudaStream_t stream) {
   }
   if (Status s = cuda_status(cudaGetLastError(), "sm90 backward launch"); !s.ok()) return s;
 
-  const dim3 q_grid = rows.count != nullptr ? dim3(unsigned(rows.capacity * (kBwdRowAlign / Traits::kBlockM)), p.nheads, 1)
-                                            : dim3(ceil_div(p.seqlen_q, Traits::kBlockM), p.nheads, p.batch);
+  const dim3 q_grid = rows.count != nullptr
+                          ? dim3(unsigned(rows.capacity * (kBwdRowAlign / Traits::kBlockM)), p.nheads, 1)
+                          : dim3(ceil_div(p.seqlen_q, Traits::kBlockM), p.nheads, p.batch);
   if (p.is_varlen())
     bwd_convert_dq_kernel<Traits, true><<<q_grid, Traits::kNMmaThreads, 0, stream>>>(params, rows);
   else
@@ -134,11 +139,11 @@ using BwdTraitsOf = std::conditional_t<
     bwd_tile(kHeadDim).layout == BwdLayout::kKeysPerWarpgroup,
     BwdTraits<kHeadDim, bwd_tile(kHeadDim).block_m, bwd_tile(kHeadDim).mma_warpgroups, bwd_tile(kHeadDim).stages,
               Element>,
-    std::conditional_t<bwd_tile(kHeadDim).layout == BwdLayout::kSplitD,
-                       BwdTraitsSplitD<kHeadDim, bwd_tile(kHeadDim).block_m, bwd_tile(kHeadDim).stages, Element>,
-                       BwdTraitsSplitDQueryRows<kHeadDim, bwd_tile(kHeadDim).block_m, bwd_tile(kHeadDim).block_n,
-                                                bwd_tile(kHeadDim).mma_warpgroups, bwd_tile(kHeadDim).stages,
-                                                Element>>>;
+    std::conditional_t<
+        bwd_tile(kHeadDim).layout == BwdLayout::kSplitD,
+        BwdTraitsSplitD<kHeadDim, bwd_tile(kHeadDim).block_m, bwd_tile(kHeadDim).stages, Element>,
+        BwdTraitsSplitDQueryRows<kHeadDim, bwd_tile(kHeadDim).block_m, bwd_tile(kHeadDim).block_n,
+                                 bwd_tile(kHeadDim).mma_warpgroups, bwd_tile(kHeadDim).stages, Element>>>;
 
 // Whether they need CuTe's extended wgmma shapes: the generated translation unit checks it
 // against the generator's table.
@@ -158,7 +163,8 @@ constexpr bool bwd_holds_feature_values() {
 template <int kHeadDim, typename Element>
 Status run_bwd(const BwdParams& params, cudaStream_t stream) {
   using Traits = BwdTraitsOf<kHeadDim, Element>;
-  static_assert(Traits::kBlockN == bwd_tile(kHeadDim).block_n && Traits::kNMmaWarpGroups == bwd_tile(kHeadDim).mma_warpgroups);
+  static_assert(Traits::kBlockN == bwd_tile(kHeadDim).block_n &&
+                Traits::kNMmaWarpGroups == bwd_tile(kHeadDim).mma_warpgroups);
   if constexpr (bwd_tile(kHeadDim).layout == BwdLayout::kKeysPerWarpgroup)
     return run_bwd_features<BwdMainloop, Traits>(params, stream);
   else

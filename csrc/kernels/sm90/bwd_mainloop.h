@@ -52,9 +52,13 @@ struct BwdSteps {
   // direction at compile time (the split-d dQ warp: as a runtime value beside its turn count's
   // loop, the direction spilled 12 B at the producer's 24 registers).
   template <bool kUpward>
-  __device__ int first() const { return kUpward ? m_min : m_max - 1; }
+  __device__ int first() const {
+    return kUpward ? m_min : m_max - 1;
+  }
   template <bool kUpward>
-  __device__ int end() const { return kUpward ? m_max : m_min - 1; }
+  __device__ int end() const {
+    return kUpward ? m_max : m_min - 1;
+  }
   __device__ int first() const { return upward() ? first<true>() : first<false>(); }
   __device__ int end() const { return upward() ? end<true>() : end<false>(); }
 };
@@ -144,7 +148,8 @@ struct BwdMainloop {
     PipelineState st = cutlass::make_producer_start_state<Pipeline>();
 #pragma unroll 1
     for (int h = steps.head_begin; h < steps.head_begin + steps.heads; ++h) {
-      Tensor g = local_tile(sequence_rows<true>(tma, p, seq, h), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+      Tensor g =
+          local_tile(sequence_rows<true>(tma, p, seq, h), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
       auto [tg, ts] = tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
       const float* row_stats = stats + seq.workspace_row(p, rows_per_head, h);
 #pragma unroll 1
@@ -180,8 +185,8 @@ struct BwdMainloop {
                                          const WindowMask& mask, int m, int tid) {
     const int valid = mask.seqlen_q - m * kBlockM;
     pipeline_q.consumer_wait(st_q);
-    clear_smem_rows(make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQ{})(_, _, st_q.index()), valid,
-                    tid, Traits::kNMmaThreads);
+    clear_smem_rows(make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQ{})(_, _, st_q.index()),
+                    valid, tid, Traits::kNMmaThreads);
     pipeline_do.consumer_wait(st_do);
     clear_smem_rows(make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutQ{})(_, _, st_do.index()),
                     valid, tid, Traits::kNMmaThreads);
@@ -287,9 +292,10 @@ struct BwdMainloop {
   template <int kStatQueries, typename TiledMma, typename FragKV, typename FragQ, typename Acc, typename Coords>
   __device__ static void scores(TiledMma& mma_sdp, const FragKV& tSrK, const FragQ& tSrQ, const FragKV& tdPrV,
                                 const FragQ& tdPrdO, Pipeline& pipeline_q, const PipelineState& st_q,
-                                Pipeline& pipeline_do, const PipelineState& st_do, typename Traits::SharedStorage& shared,
-                                int stats_offset, const Score& score, float alibi_slope, const Coords& tScS,
-                                int m, int n_block, float scale_log2, Acc& acc_s, Acc& acc_dp) {
+                                Pipeline& pipeline_do, const PipelineState& st_do,
+                                typename Traits::SharedStorage& shared, int stats_offset, const Score& score,
+                                float alibi_slope, const Coords& tScS, int m, int n_block, float scale_log2, Acc& acc_s,
+                                Acc& acc_dp) {
     constexpr bool kT = Traits::kScoresTransposed;
     pipeline_q.consumer_wait(st_q);
     if constexpr (kT)
@@ -306,15 +312,13 @@ struct BwdMainloop {
     const bool softcap_on = score.softcap_on();
     constexpr bool kHoldDtanh = Features::kSoftcap && Traits::kHoldsFeatureValues;
     cute::array<uint32_t, kHoldDtanh ? decltype(size(acc_s))::value / 2 : 1> dt;  // 1 - t^2, fp16 pairs
-    score.template before_softmax<kT>(
-        acc_s, tScS, m * kBlockM, n_block * kBlockN, score.mask.template block_needs_mask<kBlockM, kBlockN>(m, n_block),
-        [&](Acc& s) {
-          if constexpr (kHoldDtanh)
-            score.softcap().tanh_scores(s, dt);
-          else
-            score.softcap().tanh_scores(s);
-        },
-        [&] { return Traits::kHoldsFeatureValues ? alibi_slope : score.alibi().slope(); });
+    score.template before_softmax<kT>(acc_s, tScS, m * kBlockM, n_block * kBlockN,
+                                      score.mask.template block_needs_mask<kBlockM, kBlockN>(m, n_block), [&](Acc& s) {
+      if constexpr (kHoldDtanh)
+        score.softcap().tanh_scores(s, dt);
+      else
+        score.softcap().tanh_scores(s);
+    }, [&] { return Traits::kHoldsFeatureValues ? alibi_slope : score.alibi().slope(); });
     Tensor s = query_key_view(acc_s);
     const auto lse = query_stats<kStatQueries>(shared.lse_log2.data() + st_q.index() * kBlockM + stats_offset, tScS);
     CUTE_UNROLL
@@ -340,7 +344,8 @@ struct BwdMainloop {
       // LSE loaded again from shared memory (still this stage's: Q's stage is released after the
       // dK GEMM) rather than held through the dP^T wait: at d = 64 (128 queries per step) holding
       // it spilled 216 B, in every call, softcap or not.
-      const auto lse_again = query_stats<kStatQueries>(shared.lse_log2.data() + st_q.index() * kBlockM + stats_offset, tScS);
+      const auto lse_again =
+          query_stats<kStatQueries>(shared.lse_log2.data() + st_q.index() * kBlockM + stats_offset, tScS);
       score.softcap_grad(s, ds, [&](int qi) { return lse_again(qi); });
     }
     score.dropped_to_zero(acc_s);  // P for the dV GEMM
@@ -351,8 +356,8 @@ struct BwdMainloop {
   // past a sequence cleared; compiled out of the dense kernel).
   template <bool kPacked, typename Params, typename AccKV>
   __device__ static void mma(const Params& params, typename Traits::SharedStorage& shared, Pipeline& pipeline_q,
-                             Pipeline& pipeline_do, const BwdSteps& steps, const WindowMask& mask, int n_block,
-                             int tid, AccKV& acc_dk, AccKV& acc_dv) {
+                             Pipeline& pipeline_do, const BwdSteps& steps, const WindowMask& mask, int n_block, int tid,
+                             AccKV& acc_dk, AccKV& acc_dv) {
     typename Traits::TiledMmaSdP mma_sdp;
     typename Traits::TiledMmadKV mma_dkv;
     typename Traits::TiledMmadQ mma_dq;

@@ -103,8 +103,8 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_, Features_> {
 
   template <bool kPacked, typename Params, typename AccKV>
   __device__ static void mma(const Params& params, typename Traits::SharedStorage& shared, Pipeline& pipeline_q,
-                             Pipeline& pipeline_do, const BwdSteps& steps, const WindowMask& mask, int n_block,
-                             int tid, AccKV& acc_dk, AccKV& acc_dv) {
+                             Pipeline& pipeline_do, const BwdSteps& steps, const WindowMask& mask, int n_block, int tid,
+                             AccKV& acc_dk, AccKV& acc_dv) {
     typename Traits::TiledMmaSdP mma_sdp;
     typename Traits::TiledMmadKV mma_dkv;
     typename Traits::TiledMmadQ mma_dq;
@@ -145,8 +145,10 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_, Features_> {
     // the orientation of the score accumulators.
     auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
     auto thr_r2s = r2s.get_thread_slice(tid);
-    Tensor tPsP = thr_r2s.partition_D(make_tensor(make_smem_ptr(shared.p.data()), typename Traits::SmemLayoutdSScores{}));
-    Tensor tdSsdS = thr_r2s.partition_D(make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutdSScores{}));
+    Tensor tPsP =
+        thr_r2s.partition_D(make_tensor(make_smem_ptr(shared.p.data()), typename Traits::SmemLayoutdSScores{}));
+    Tensor tdSsdS =
+        thr_r2s.partition_D(make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutdSScores{}));
 
     // Coordinates of each score accumulator ((key, query) or (query, key)), for the mask.
     Tensor tScS = thr_sdp.partition_C(make_identity_tensor(typename Traits::ScoreShape{}));
@@ -177,8 +179,8 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_, Features_> {
         Tensor acc_s = partition_fragment_C(mma_sdp, typename Traits::ScoreShape{});
         Tensor acc_dp = partition_fragment_C(mma_sdp, typename Traits::ScoreShape{});
         Base::template scores<kQueriesPerWarpgroup>(mma_sdp, tSrK, tSrQ, tdPrV, tdPrdO, pipeline_q, st_q, pipeline_do,
-                                                    st_do, shared, query_offset, score, alibi_slope,
-                                                    tScS, m, n_block, scale_log2, acc_s, acc_dp);
+                                                    st_do, shared, query_offset, score, alibi_slope, tScS, m, n_block,
+                                                    scale_log2, acc_s, acc_dp);
         Tensor rP = convert_type<Element>(acc_s);
         Tensor rdS = convert_type<Element>(acc_dp);
         copy(r2s, thr_r2s.retile_S(rP), tPsP(_, _, _, buf));

@@ -44,15 +44,15 @@ struct DqTarget {
 // 48-column halves (16-column atoms), d = 192 into thirds of 64 (64-column atoms).
 // kScoresTransposed: the consumers compute S^T and dP^T (keys as wgmma rows; the score tiles and
 // their coordinates are (key, query)), else S and dP ((query, key)).
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNMmaWarpGroups_, int kStages_, int kSplitCols, typename Element_,
-          bool kScoresTransposed_ = true>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNMmaWarpGroups_, int kStages_, int kSplitCols,
+          typename Element_, bool kScoresTransposed_ = true>
 struct BwdTraitsBase {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kStages = kStages_;
   static constexpr bool kScoresTransposed = kScoresTransposed_;
   // The shape of a step's score tile (S^T or S) as the accumulators hold it.
-  using ScoreShape = std::conditional_t<kScoresTransposed, Shape<Int<kBlockN>, Int<kBlockM>>,
-                                        Shape<Int<kBlockM>, Int<kBlockN>>>;
+  using ScoreShape =
+      std::conditional_t<kScoresTransposed, Shape<Int<kBlockN>, Int<kBlockM>>, Shape<Int<kBlockM>, Int<kBlockN>>>;
   static constexpr int kNMmaWarpGroups = kNMmaWarpGroups_;
   static constexpr int kNMmaThreads = kNMmaWarpGroups * 128;
   static constexpr int kNThreads = kNMmaThreads + 128;
@@ -74,12 +74,13 @@ struct BwdTraitsBase {
   using WarpGroupsAlongN = Layout<Shape<_1, Int<kNMmaWarpGroups>, _1>>;
 
   template <GMMA::Major kMajor, int kRows, int kCols>
-  using SmemAtom = decltype(cutlass::gemm::collective::detail::ss_smem_selector<kMajor, Element, Int<kRows>, Int<kCols>>());
+  using SmemAtom =
+      decltype(cutlass::gemm::collective::detail::ss_smem_selector<kMajor, Element, Int<kRows>, Int<kCols>>());
   // K and V: (key, d), K-major A operands of S^T / dP^T; K also the MN-major B operand of dQ.
-  using SmemLayoutKV = decltype(tile_to_shape(SmemAtom<GMMA::Major::K, kBlockN, kSplitCols>{},
-                                              Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  using SmemLayoutKt = decltype(composition(
-      SmemLayoutKV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Step<_2, _1>{})));
+  using SmemLayoutKV =
+      decltype(tile_to_shape(SmemAtom<GMMA::Major::K, kBlockN, kSplitCols>{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  using SmemLayoutKt =
+      decltype(composition(SmemLayoutKV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Step<_2, _1>{})));
   // Q and dO: (query, d, stage), K-major B operands of S^T / dP^T, and read transposed as the
   // MN-major B operands of dK / dV.
   using SmemLayoutQ = decltype(tile_to_shape(SmemAtom<GMMA::Major::K, kBlockM, kSplitCols>{},
@@ -91,9 +92,9 @@ struct BwdTraitsBase {
   // contiguous (MN-major); from S, pairs of consecutive keys: keys contiguous (K-major). Two
   // buffers: a warpgroup writes step i + 1's dS while another may still read step i's.
   static constexpr int kdSBuffers = 2;
-  using SmemLayoutdS = decltype(tile_to_shape(
-      SmemAtom<kScoresTransposed ? GMMA::Major::MN : GMMA::Major::K, kBlockM, kBlockN>{},
-      Shape<Int<kBlockM>, Int<kBlockN>, Int<kdSBuffers>>{}));
+  using SmemLayoutdS =
+      decltype(tile_to_shape(SmemAtom<(kScoresTransposed ? GMMA::Major::MN : GMMA::Major::K), kBlockM, kBlockN>{},
+                             Shape<Int<kBlockM>, Int<kBlockN>, Int<kdSBuffers>>{}));
   using SmemLayoutdSt = decltype(composition(
       SmemLayoutdS{}, make_ordered_layout(Shape<Int<kBlockN>, Int<kBlockM>, Int<kdSBuffers>>{}, Step<_2, _1, _3>{})));
   // dS (and P) as the score accumulators hold it: where their stmatrix stores write.
@@ -105,9 +106,11 @@ struct BwdTraitsBase {
   static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(Element);
 
   using GmemLayout = Layout<Shape<int32_t, int32_t, int32_t, int32_t>, Stride<int64_t, _1, int64_t, int64_t>>;
-  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}),
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{},
+                                      make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}),
                                       take<0, 2>(SmemLayoutQ{}), Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
-  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}),
+  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{},
+                                       make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}),
                                        SmemLayoutKV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
 
   // Q with its LSE, dO with its D: one pipeline stage each.
@@ -131,15 +134,15 @@ struct BwdTraits : BwdTraitsBase<kHeadDim_, kBlockM_, 64 * kNMmaWarpGroups_, kNM
                                  (kHeadDim_ % 64 == 0 ? kHeadDim_ : kHeadDim_ / kNMmaWarpGroups_), Element_> {
   using Base = BwdTraitsBase<kHeadDim_, kBlockM_, 64 * kNMmaWarpGroups_, kNMmaWarpGroups_, kStages_,
                              (kHeadDim_ % 64 == 0 ? kHeadDim_ : kHeadDim_ / kNMmaWarpGroups_), Element_>;
-  using typename Base::Element;
-  using typename Base::WarpGroupsAlongM;
-  using typename Base::WarpGroupsAlongN;
-  using typename Base::Pipeline;
-  using Base::kHeadDim;
   using Base::kBlockM;
   using Base::kBlockN;
+  using Base::kHeadDim;
   using Base::kNMmaWarpGroups;
   using Base::kStages;
+  using typename Base::Element;
+  using typename Base::Pipeline;
+  using typename Base::WarpGroupsAlongM;
+  using typename Base::WarpGroupsAlongN;
   static_assert(kBlockM % 64 == 0 && kHeadDim % (16 * kNMmaWarpGroups) == 0);
   static constexpr bool kDqThread = true;
   // Warpgroup w alone reads V's rows [64 w, 64 w + 64) (dP^T): free for its epilogue's staging.
@@ -153,10 +156,10 @@ struct BwdTraits : BwdTraitsBase<kHeadDim_, kBlockM_, 64 * kNMmaWarpGroups_, kNM
       GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockM>, Int<kHeadDim>>>(), WarpGroupsAlongM{}));
   // dV += P^T dO and dK += dS^T Q: (M = keys, N = d, K = queries), A from registers, B (dO, Q)
   // read transposed from their (query, d) tiles.
-  using TiledMmadKV = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockM>>, GMMA::Major::K,
-                           GMMA::Major::MN>(),
-      WarpGroupsAlongM{}));
+  using TiledMmadKV =
+      decltype(make_tiled_mma(GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockM>>,
+                                                   GMMA::Major::K, GMMA::Major::MN>(),
+                              WarpGroupsAlongM{}));
   // dQ = dS K: (M = queries, N = d, K = keys). Where the step has 64 queries a warpgroup
   // (d = 64: 128), warpgroup w computes rows [64 w, 64 w + 64), all columns; else columns
   // [w d / W, (w + 1) d / W). Split by columns at d = 64, each warpgroup's m128 n32 wgmma read
@@ -214,13 +217,13 @@ struct BwdTraits : BwdTraitsBase<kHeadDim_, kBlockM_, 64 * kNMmaWarpGroups_, kNM
 template <int kHeadDim_, int kBlockM_, int kStages_, typename Element_>
 struct BwdTraitsSplitD : BwdTraitsBase<kHeadDim_, kBlockM_, 64, 2, kStages_, kHeadDim_ / 2, Element_> {
   using Base = BwdTraitsBase<kHeadDim_, kBlockM_, 64, 2, kStages_, kHeadDim_ / 2, Element_>;
-  using typename Base::Element;
-  using typename Base::WarpGroupsAlongN;
-  using typename Base::Pipeline;
-  using Base::kHeadDim;
   using Base::kBlockM;
   using Base::kBlockN;
+  using Base::kHeadDim;
   using Base::kStages;
+  using typename Base::Element;
+  using typename Base::Pipeline;
+  using typename Base::WarpGroupsAlongN;
   static_assert(kBlockM == 64 && kHeadDim % 64 == 0);
   static constexpr bool kDqThread = false;
   static constexpr bool kOwnVRows = false;  // both warpgroups read all of V (dP^T split by queries)
@@ -230,14 +233,15 @@ struct BwdTraitsSplitD : BwdTraitsBase<kHeadDim_, kBlockM_, 64, 2, kStages_, kHe
   // S^T = K Q^T and dP^T = V dO^T: (M = keys, N = queries, K = d); warpgroup w takes queries
   // [w kBlockM / 2, (w + 1) kBlockM / 2).
   using TiledMmaSdP = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockM / 2>, Int<kHeadDim>>>(), WarpGroupsAlongN{}));
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockM / 2>, Int<kHeadDim>>>(),
+      WarpGroupsAlongN{}));
   // dV += P^T dO and dK += dS^T Q: (M = keys, N = d, K = queries), P^T and dS^T read from shared
   // memory (K-major through the transposed view of the dS layout); warpgroup w takes columns
   // [w d / 2, (w + 1) d / 2).
-  using TiledMmadKV = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim / 2>, Int<kBlockM>>, GMMA::Major::K,
-                           GMMA::Major::MN>(),
-      WarpGroupsAlongN{}));
+  using TiledMmadKV =
+      decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim / 2>, Int<kBlockM>>,
+                                                   GMMA::Major::K, GMMA::Major::MN>(),
+                              WarpGroupsAlongN{}));
   // dQ = dS K: (M = queries, N = d, K = keys), columns split as dK's.
   static constexpr int kdQCols = kHeadDim / 2;
   using TiledMmadQ = decltype(make_tiled_mma(
@@ -280,15 +284,15 @@ struct BwdTraitsSplitDQueryRows
                     /*kScoresTransposed=*/false> {
   using Base = BwdTraitsBase<kHeadDim_, kBlockM_, kBlockN_, kNMmaWarpGroups_, kStages_, kHeadDim_ / kNMmaWarpGroups_,
                              Element_, false>;
-  using typename Base::Element;
-  using typename Base::WarpGroupsAlongM;
-  using typename Base::WarpGroupsAlongN;
-  using typename Base::Pipeline;
-  using Base::kHeadDim;
   using Base::kBlockM;
   using Base::kBlockN;
+  using Base::kHeadDim;
   using Base::kNMmaWarpGroups;
   using Base::kStages;
+  using typename Base::Element;
+  using typename Base::Pipeline;
+  using typename Base::WarpGroupsAlongM;
+  using typename Base::WarpGroupsAlongN;
   static constexpr int kKeysPerWarpgroup = kBlockN / kNMmaWarpGroups;
   static constexpr int kdQCols = kHeadDim / kNMmaWarpGroups;
   static_assert(kBlockM == 64 && kKeysPerWarpgroup % 16 == 0 && kdQCols % 64 == 0);
@@ -306,10 +310,10 @@ struct BwdTraitsSplitDQueryRows
   // dV^T += dO^T P and dK^T += Q^T dS: (M = d, N = keys, K = queries), dO^T / Q^T read through the
   // transposed view of their (query, d) tiles, P / dS through that of their (query, key) tiles
   // (both MN-major); warpgroup w takes rows [w d / W, (w + 1) d / W).
-  using TiledMmadKV = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, Int<kBlockM>>, GMMA::Major::MN,
-                           GMMA::Major::MN>(),
-      WarpGroupsAlongM{}));
+  using TiledMmadKV =
+      decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, Int<kBlockM>>,
+                                                   GMMA::Major::MN, GMMA::Major::MN>(),
+                              WarpGroupsAlongM{}));
   // dQ = dS K: (M = queries, N = d, K = keys), dS K-major, K MN-major; columns split as dK's.
   using TiledMmadQ = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kdQCols>, Int<kBlockN>>, GMMA::Major::K,
@@ -338,9 +342,9 @@ struct BwdTraitsSplitDQueryRows
 
 // Named barriers of the consumer warpgroups (ids after CUTLASS's reserved ones).
 enum class BwdBarrier : int {
-  kdSReady = 0,  // every warpgroup's dS^T (and P^T) of the step is in shared memory
-  kdQTurn = 1,   // split-d layouts, deterministic: the dQ warp has seen the block's turn to add dQ
-  kdQAdded = 2,  // split-d layouts, deterministic: the consumers have issued their dQ reductions
+  kdSReady = 0,      // every warpgroup's dS^T (and P^T) of the step is in shared memory
+  kdQTurn = 1,       // split-d layouts, deterministic: the dQ warp has seen the block's turn to add dQ
+  kdQAdded = 2,      // split-d layouts, deterministic: the consumers have issued their dQ reductions
   kEpilogue = 3,     // split-d layouts: every warpgroup's dK/dV staging in V's tile
   kEpilogueWG1 = 4,  // + warpgroup index, keys-per-warpgroup layout: one warpgroup's staging
   kClearRows = 6,    // every consumer: a packed sequence's rows past its end zeroed (clear_kv_past)
@@ -351,13 +355,13 @@ template <typename Traits>
 struct BwdKernelParams {
   AttnProblem problem;
   TensorRef4 dk, dv;
-  float* dq_accum;       // workspace arrays (generated/bwd_workspace.h), rows rounded per (batch, head)
+  float* dq_accum;  // workspace arrays (generated/bwd_workspace.h), rows rounded per (batch, head)
   const float* dpsum;
   const float* lse_log2;
-  int* dq_semaphore;     // null unless deterministic
-  int64_t rows_per_head;  // BwdWorkspace::rows_per_head
-  int64_t dq_group_rows;  // BwdWorkspace::rows: the row offset between dQ groups' copies
-  int dq_groups;          // BwdWorkspace::dq_groups (1 unless deterministic)
+  int* dq_semaphore;                    // null unless deterministic
+  int64_t rows_per_head;                // BwdWorkspace::rows_per_head
+  int64_t dq_group_rows;                // BwdWorkspace::rows: the row offset between dQ groups' copies
+  int dq_groups;                        // BwdWorkspace::dq_groups (1 unless deterministic)
   GridTileScheduler::Params scheduler;  // a packed batch's key blocks
   typename Traits::TmaQ tma_q;
   typename Traits::TmaQ tma_do;

@@ -31,11 +31,12 @@ struct FwdEpilogue {
   // Writes warpgroup wg's rows of lse: each row's value sits in all 4 threads of its quad; the
   // first writes.
   template <typename Params, typename Lse>
-  __device__ __forceinline__ static void store_lse(const Params& params, const TileCoord& tile, const Lse& lse, int wg, int tid) {
+  __device__ __forceinline__ static void store_lse(const Params& params, const TileCoord& tile, const Lse& lse, int wg,
+                                                   int tid) {
     const AttnProblem& p = params.problem;
     typename Traits::TiledMmaPV mma_pv;
-    Tensor tOcO = rowcol_view(mma_pv.get_thread_slice(tid).partition_C(
-        make_identity_tensor(Shape<_64, Int<kHeadDim>>{})));
+    Tensor tOcO =
+        rowcol_view(mma_pv.get_thread_slice(tid).partition_C(make_identity_tensor(Shape<_64, Int<kHeadDim>>{})));
     const SeqInfo seq(p, tile.batch);
     const int first_row = tile.block * kBlockM + wg * 64;
     const int rows_left = seq.seqlen_q - first_row;
@@ -55,21 +56,21 @@ struct FwdEpilogue {
   // 2 bytes and 8 rows per warp instruction, every slab of a varlen batch cost the forward 4-14%:
   // PERFLOG 45.) Not unrolled: unrolled, the dropout kernel at d = 64 spilled 312 B.
   template <typename Params>
-  __device__ __forceinline__ static void store_partial_slab(const Params& params, const Element* slab, const TileCoord& tile,
-                                                         int wg, int tid) {
+  __device__ __forceinline__ static void store_partial_slab(const Params& params, const Element* slab,
+                                                            const TileCoord& tile, int wg, int tid) {
     const AttnProblem& p = params.problem;
     const SeqInfo seq(p, tile.batch);
     const int first_row = tile.block * kBlockM + wg * 64;
     Tensor sO = make_tensor(make_smem_ptr(slab), typename Traits::SmemLayoutSlab{});
     Element* o = seq.q_rows<Element>(p, params.o, tile.head) + int64_t(first_row) * params.o.row_stride;
-    store_rows_16b<64, kHeadDim, 128, /*kUnroll=*/false>(sO, 0, o, params.o.row_stride, seq.seqlen_q - first_row, p.cols(),
-                                                         tid);
+    store_rows_16b<64, kHeadDim, 128, /*kUnroll=*/false>(sO, 0, o, params.o.row_stride, seq.seqlen_q - first_row,
+                                                         p.cols(), tid);
   }
 
   // acc_o: this thread's part of the normalised output of its warpgroup's 64 rows (fp32).
   template <typename Params, typename AccO, typename Lse>
-  __device__ __forceinline__ static void store(const Params& params, typename Traits::SharedStorage& shared, const TileCoord& tile,
-                               const AccO& acc_o, const Lse& lse) {
+  __device__ __forceinline__ static void store(const Params& params, typename Traits::SharedStorage& shared,
+                                               const TileCoord& tile, const AccO& acc_o, const Lse& lse) {
     // The warpgroup and thread index read here, not passed in: what the store derives from them
     // (its shared-memory addresses, its barrier id) was otherwise hoisted out of the tile loop and
     // spilled across the mainloop at d = 256 (PERFLOG 65).
@@ -100,14 +101,17 @@ struct FwdEpilogue {
         // Dense: rows past seqlen_q are clipped by the TMA unit. Varlen: only at the packed
         // tensor's end, so a sequence's last, partial slab is copied by the threads instead.
         auto store_slab = [&](auto mO) {
-          Tensor gO = local_tile(mO, Shape<_64, Int<kHeadDim>>{}, make_coord(tile.block * Traits::kNMmaWarpGroups + wg, _0{}));
-          auto [tOgO, tOsSlab] = tma_partition(params.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO), group_modes<0, 2>(gO));
+          Tensor gO =
+              local_tile(mO, Shape<_64, Int<kHeadDim>>{}, make_coord(tile.block * Traits::kNMmaWarpGroups + wg, _0{}));
+          auto [tOgO, tOsSlab] =
+              tma_partition(params.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO), group_modes<0, 2>(gO));
           copy(params.tma_o, tOsSlab, tOgO);
         };
         if (p.is_varlen())
           store_slab(sequence_rows<true>(params.tma_o, p, SeqInfo(p, tile.batch), tile.head));
         else
-          store_slab(params.tma_o.get_tma_tensor(make_shape(p.seqlen_q, p.head_dim, p.nheads, p.batch))(_, _, tile.head, tile.batch));
+          store_slab(params.tma_o.get_tma_tensor(make_shape(p.seqlen_q, p.head_dim, p.nheads, p.batch))(_, _, tile.head,
+                                                                                                        tile.batch));
         tma_store_arrive();
         if constexpr (Traits::kOAliasesQ) tma_store_wait<0>();
       }

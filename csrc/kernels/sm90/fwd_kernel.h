@@ -68,7 +68,8 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
       for (int i = 0;; ++i) {
         const TileWork w = Scheduler::take(shared.scheduler, i);
         if (w.coord.block < 0) break;
-        if (w.n_min < w.n_max) Mainloop::load_kv(params, shared, pipeline_k, pipeline_v, state, w.coord, w.n_min, w.n_max);
+        if (w.n_min < w.n_max)
+          Mainloop::load_kv(params, shared, pipeline_k, pipeline_v, state, w.coord, w.n_min, w.n_max);
       }
     } else if (threadIdx.x == 32) {  // tile thread
       const auto order = Scheduler::order(params.scheduler, p);

@@ -42,17 +42,16 @@ FwdKernelParams<Traits> make_fwd_kernel_params(const FwdParams& params) {
 template <typename Traits>
 FwdKernelParams<Traits> fwd_kernel_params(const FwdParams& params) {
   const TmaPlanKey<4> key(params.problem, {&params.q, &params.k, &params.v, &params.o});
-  return cached_kernel_params<FwdKernelParams<Traits>>(
-      key, [&] { return make_fwd_kernel_params<Traits>(params); },
-      [&](FwdKernelParams<Traits>& kp) {
-        // Per-call fields: the plan's key holds only what the descriptors depend on (softcap and
-        // the cu_seqlens pointers of a cached problem would be stale).
-        kp.problem = params.problem;
-        kp.o = params.o;
-        kp.lse = params.lse;
-        return replace_address(kp.tma_q, params.q.ptr) && replace_address(kp.tma_k, params.k.ptr) &&
-               replace_address(kp.tma_v, params.v.ptr) && replace_address(kp.tma_o, params.o.ptr);
-      });
+  return cached_kernel_params<FwdKernelParams<Traits>>(key, [&] { return make_fwd_kernel_params<Traits>(params); },
+                                                       [&](FwdKernelParams<Traits>& kp) {
+    // Per-call fields: the plan's key holds only what the descriptors depend on (softcap and
+    // the cu_seqlens pointers of a cached problem would be stale).
+    kp.problem = params.problem;
+    kp.o = params.o;
+    kp.lse = params.lse;
+    return replace_address(kp.tma_q, params.q.ptr) && replace_address(kp.tma_k, params.k.ptr) &&
+           replace_address(kp.tma_v, params.v.ptr) && replace_address(kp.tma_o, params.o.ptr);
+  });
 }
 
 // Launches the forward kernel of one configuration (FwdTraits); run_fwd picks the configuration of
@@ -81,8 +80,8 @@ Status run_fwd_traits(const FwdParams& params, cudaStream_t stream, int tile_gro
 
 // The forward's configuration of a head dim (sm90/tile_config.h).
 template <int kHeadDim, typename Element>
-using FwdTraitsOf = FwdTraits<kHeadDim, fwd_tile(kHeadDim).block_m, fwd_tile(kHeadDim).block_n,
-                              fwd_tile(kHeadDim).stages, Element>;
+using FwdTraitsOf =
+    FwdTraits<kHeadDim, fwd_tile(kHeadDim).block_m, fwd_tile(kHeadDim).block_n, fwd_tile(kHeadDim).stages, Element>;
 
 // Whether that configuration needs CuTe's extended wgmma shapes: the generated translation unit
 // checks it against the generator's table.

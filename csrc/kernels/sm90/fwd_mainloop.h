@@ -181,8 +181,9 @@ struct FwdMainloop {
   // multiplies the block (its stage is the first V of the tile), each thread a share of the 16-byte
   // chunks, then meet at a barrier outside the ping-pong turns. Dense batches need none of it: the
   // TMA unit fills rows past seqlen_k with zeros.
-  __device__ __forceinline__ static void clear_v_past_keys(typename Traits::SharedStorage& shared, PipelineKV& pipeline_v,
-                                                           const ConsumerState& st, int valid_rows, int wg, int tid) {
+  __device__ __forceinline__ static void clear_v_past_keys(typename Traits::SharedStorage& shared,
+                                                           PipelineKV& pipeline_v, const ConsumerState& st,
+                                                           int valid_rows, int wg, int tid) {
     pipeline_v.consumer_wait(st.v);
     Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutV{});
     clear_smem_rows(sV(_, _, st.v.index()), valid_rows, wg * 128 + tid, Traits::kNMmaThreads);
@@ -196,14 +197,15 @@ struct FwdMainloop {
   __device__ __forceinline__ static void mma(typename Traits::SharedStorage& shared, PipelineKV& pipeline_k,
                                              PipelineKV& pipeline_v, ConsumerState& st,
                                              const WarpScheduler<Traits::kNMmaWarpGroups>& scheduler,
-                                             const Score& score, int m_block, int n_min, int n_max, bool packed,
-                                             int wg, int tid, AccO& acc_o, Softmax& softmax) {
+                                             const Score& score, int m_block, int n_min, int n_max, bool packed, int wg,
+                                             int tid, AccO& acc_o, Softmax& softmax) {
     const WindowMask& mask = score.mask;
     typename Traits::TiledMmaQK mma_qk;
     typename Traits::TiledMmaPV mma_pv;
     auto thr_qk = mma_qk.get_thread_slice(tid);
     auto thr_pv = mma_pv.get_thread_slice(tid);
-    Tensor sQ = make_tensor(make_smem_ptr(shared.qo.data() + wg * Traits::kSlabElems), typename Traits::SmemLayoutSlab{});
+    Tensor sQ =
+        make_tensor(make_smem_ptr(shared.qo.data() + wg * Traits::kSlabElems), typename Traits::SmemLayoutSlab{});
     Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutK{});
     Tensor sVt = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutVt{});
     Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // wgmma descriptors
@@ -276,7 +278,7 @@ struct FwdMainloop {
       pipeline_v.consumer_wait(st.v);
       gemm</*kZeroInit=*/false, /*kWait=*/-1>(mma_pv, tOrP, tOrV(_, _, _, st.v.index()), acc_o);
       scheduler.arrive();
-      warpgroup_wait<1>();  // S done; P V still running
+      warpgroup_wait<1>();            // S done; P V still running
       warpgroup_fence_operand(tSrS);  // reads of S stay below the wait
       pipeline_k.consumer_release(st.k);
       ++st.k;

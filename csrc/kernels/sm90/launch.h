@@ -1,7 +1,7 @@
 // Entry points of the Hopper (FlashAttention-3-style, wgmma + TMA) kernel family. The generated
-// translation units include fwd_launch.h / bwd_launch.h and instantiate run_fwd / run_bwd for one head dim and one element
-// type (cutlass::half_t or cutlass::bfloat16_t). Built for sm_90a only: wgmma and setmaxnreg do
-// not exist in plain sm_90.
+// translation units include fwd_launch.h / bwd_launch.h and instantiate run_fwd / run_bwd for one head dim and one
+// element type (cutlass::half_t or cutlass::bfloat16_t). Built for sm_90a only: wgmma and setmaxnreg do not exist in
+// plain sm_90.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -57,10 +57,10 @@ struct FwdTileOrder {
 
 struct DynamicTileScheduler {
   struct Params {
-    int num_m_blocks;  // query blocks per (head, batch)
-    int group;         // PersistentTileScheduler::group (causal)
-    int* counter;      // tiles claimed after each block's first, zeroed before each launch
-    VarlenTiles tiles; // packed batches: the query blocks (tiles.count == nullptr when dense)
+    int num_m_blocks;   // query blocks per (head, batch)
+    int group;          // PersistentTileScheduler::group (causal)
+    int* counter;       // tiles claimed after each block's first, zeroed before each launch
+    VarlenTiles tiles;  // packed batches: the query blocks (tiles.count == nullptr when dense)
   };
 
   struct SharedStorage {
@@ -93,16 +93,17 @@ struct DynamicTileScheduler {
     }
     sp.tiles = VarlenTiles{};
     grid = PersistentTileScheduler::grid_size(sp.num_m_blocks * p.nheads * p.batch, num_sms);
-    sp.group = group > 0 ? std::min(group, p.nheads * p.batch) : PersistentTileScheduler::group_size(p.nheads * p.batch);
+    sp.group =
+        group > 0 ? std::min(group, p.nheads * p.batch) : PersistentTileScheduler::group_size(p.nheads * p.batch);
     sp.counter = static_cast<int*>(workspace);
     return cuda_status(cudaMemsetAsync(sp.counter, 0, sizeof(int), stream), "sm90 forward: zeroing the tile counter");
   }
 
   // The tile order; a causal mask (a right window bound) takes the longest tiles first.
   __device__ static FwdTileOrder order(const Params& sp, const AttnProblem& p) {
-    FwdTileOrder o{PersistentTileScheduler(sp.num_m_blocks, p.nheads, p.batch, /*longest_first=*/p.window_right >= 0,
-                                           sp.group),
-                   sp.tiles, 0, 0};
+    FwdTileOrder o{
+        PersistentTileScheduler(sp.num_m_blocks, p.nheads, p.batch, /*longest_first=*/p.window_right >= 0, sp.group),
+        sp.tiles, 0, 0};
     o.num_tiles = o.dense.num_tiles;
     if (sp.tiles.count != nullptr) {
       o.rows = sp.tiles.size();

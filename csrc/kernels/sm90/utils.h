@@ -122,15 +122,17 @@ __device__ __forceinline__ auto acc_as_a_layout(Layout l) {
 // Bulk asynchronous copies of contiguous bytes (no tensor map): global -> shared, completing on an
 // mbarrier's transaction count, and shared -> global as an fp32 reduce-add performed in L2.
 __device__ __forceinline__ void bulk_load(void* smem, const void* gmem, uint32_t bytes, uint64_t& mbarrier) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(cast_smem_ptr_to_uint(smem)), "l"(gmem), "r"(bytes), "r"(cast_smem_ptr_to_uint(&mbarrier))
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   cast_smem_ptr_to_uint(smem)),
+               "l"(gmem), "r"(bytes), "r"(cast_smem_ptr_to_uint(&mbarrier))
                : "memory");
 }
 
 __device__ __forceinline__ void bulk_reduce_add(float* gmem, const float* smem, uint32_t bytes) {
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.L2::cache_hint.add.f32 [%0], [%1], %2, %3;"
-               ::"l"(gmem), "r"(cast_smem_ptr_to_uint(smem)), "r"(bytes), "l"(uint64_t(kEvictLast))
-               : "memory");
+  asm volatile(
+      "cp.reduce.async.bulk.global.shared::cta.bulk_group.L2::cache_hint.add.f32 [%0], [%1], %2, %3;" ::"l"(gmem),
+      "r"(cast_smem_ptr_to_uint(smem)), "r"(bytes), "l"(uint64_t(kEvictLast))
+      : "memory");
   asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 }
 
@@ -150,15 +152,13 @@ __device__ __forceinline__ void bulk_wait_all() {
 // stall cycles on the L1TEX scoreboard behind those returns, and L2 ran at 93% of its peak
 // (ncu, PERFLOG.md entry 23).
 __device__ __forceinline__ void red_add(float4* dst, float4 v) {
-  asm volatile("red.global.add.L2::cache_hint.v4.f32 [%0], {%1, %2, %3, %4}, %5;"
-               ::"l"(dst), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "l"(uint64_t(kEvictLast))
+  asm volatile("red.global.add.L2::cache_hint.v4.f32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(dst), "f"(v.x), "f"(v.y),
+               "f"(v.z), "f"(v.w), "l"(uint64_t(kEvictLast))
                : "memory");
 }
 
 // Orders the async proxy's global accesses (bulk reduce-adds) against the generic proxy's.
-__device__ __forceinline__ void fence_proxy_async_global() {
-  asm volatile("fence.proxy.async.global;" ::: "memory");
-}
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 
 // The TMA coordinate tensor of (sequence seq, head) of a query-side (kQuery) or key-side tensor
 // as (rows, d): the descriptor's (seqlen, d, head, batch), or for a variable-length batch its
