@@ -37,7 +37,7 @@ INSTANTIATED_HEAD_DIMS = HEAD_DIMS
 MAX_HEAD_DIM = INSTANTIATED_HEAD_DIMS[-1]
 
 #: CUDA's limit on gridDim.y and gridDim.z. The kernels put heads on y and, for a dense batch,
-#: the batch on z (csrc/kernels/common/tile_scheduler.h): _ops runs a larger batch in slices of
+#: the batch on z (csrc/kernels/common/tile_order.h): _ops runs a larger batch in slices of
 #: this many sequences; more heads than this is an error before any launch.
 MAX_GRID_YZ = 65535
 

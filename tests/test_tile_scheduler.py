@@ -1,4 +1,4 @@
-"""The persistent tile scheduler's mapping (csrc/kernels/common/tile_scheduler.h), checked on the
+"""The persistent tile scheduler's mapping (csrc/kernels/common/tile_order.h), checked on the
 host: every (query block, head, batch) tile exactly once, and with a causal mask the longest tiles
 first inside each group of heads. Compiled with nvcc (host code only); skipped without it."""
 
@@ -11,7 +11,7 @@ import pytest
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 
 PROGRAM = r"""
-#include "kernels/common/tile_scheduler.h"
+#include "kernels/common/tile_order.h"
 #include <algorithm>
 #include <cstdio>
 #include <vector>
@@ -26,11 +26,11 @@ int main() {
           for (int group : {0, 1, 4, 100}) {  // 0: the launcher's choice
             const int pairs = nheads * batch;
             if (group == 0) {
-              group = PersistentTileScheduler::group_size(pairs);
+              group = PersistentTileOrder::group_size(pairs);
               if (group < 1 || group > pairs) ++errors;
             }
-            if (PersistentTileScheduler::grid_size(num_blocks * pairs, 132) != std::min(num_blocks * pairs, 132)) ++errors;
-            const PersistentTileScheduler s(num_blocks, nheads, batch, causal, group);
+            if (PersistentTileOrder::grid_size(num_blocks * pairs, 132) != std::min(num_blocks * pairs, 132)) ++errors;
+            const PersistentTileOrder s(num_blocks, nheads, batch, causal, group);
             std::vector<int> seen(s.num_tiles, 0);
             int prev_group = 0, prev_block = num_blocks;
             for (int t = 0; t < s.num_tiles; ++t) {

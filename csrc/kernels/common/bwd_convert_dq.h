@@ -17,7 +17,7 @@
 #include "generated/bwd_workspace.h"
 #include "kernels/common/block_info.h"
 #include "kernels/common/convert.h"
-#include "kernels/common/tile_scheduler.h"
+#include "kernels/common/tile_order.h"
 #include "kernels/common/tile_store.h"
 
 namespace cutlass_flash {

@@ -15,7 +15,7 @@
 #include "cutlass_flash/params.h"
 #include "generated/bwd_workspace.h"
 #include "kernels/common/block_info.h"
-#include "kernels/common/tile_scheduler.h"
+#include "kernels/common/tile_order.h"
 
 namespace cutlass_flash {
 

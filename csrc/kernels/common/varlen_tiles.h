@@ -9,7 +9,7 @@
 // host sizes the list by a bound (`capacity`), and grids launched with that bound end the blocks
 // past the list's count.
 //
-// Every kernel reads a tile through VarlenTiles::at (common/tile_scheduler.h): one load, where a
+// Every kernel reads a tile through VarlenTiles::at (common/tile_order.h): one load, where a
 // search over the sequences' prefix sums would cost a dependent load per level.
 #pragma once
 
@@ -23,7 +23,7 @@
 #include "generated/bwd_workspace.h"
 #include "kernels/common/block_info.h"
 #include "kernels/common/launch_utils.h"
-#include "kernels/common/tile_scheduler.h"
+#include "kernels/common/tile_order.h"
 #include "kernels/common/varlen_workspace.h"
 
 namespace cutlass_flash {

@@ -12,7 +12,7 @@
 #include "kernels/common/block_info.h"
 #include "kernels/common/score_policy.h"
 #include "kernels/common/bwd_convert_dq.h"
-#include "kernels/common/tile_scheduler.h"
+#include "kernels/common/tile_order.h"
 #include "kernels/sm80/bwd_epilogue.h"
 #include "kernels/sm80/bwd_mainloop.h"
 #include "kernels/sm80/launch.h"

@@ -5,7 +5,7 @@
 #include <type_traits>
 
 #include "kernels/common/bwd_preprocess.h"
-#include "kernels/common/tile_scheduler.h"
+#include "kernels/common/tile_order.h"
 #include "kernels/common/varlen_tiles.h"
 #include "kernels/sm80/bwd_kernel.h"
 #include "kernels/sm80/bwd_traits.h"
@@ -35,11 +35,10 @@ Status launch_bwd_plain(const BwdParams& params, int n_blocks, cudaStream_t stre
     int limit = 0;
     if (Status s = smem_per_block_optin(limit); !s.ok()) return s;
     if (PlainTraits::kSmemBytes <= limit)
-      return launch_bwd_main<PlainTraits, PlainScores, DenseGridTileScheduler, /*kOrderedDq=*/false>(params, {},
-                                                                                                     n_blocks, stream);
+      return launch_bwd_main<PlainTraits, PlainScores, DenseGridTileMap, /*kOrderedDq=*/false>(params, {}, n_blocks,
+                                                                                               stream);
   }
-  return launch_bwd_main<Traits, PlainScores, DenseGridTileScheduler, /*kOrderedDq=*/false>(params, {}, n_blocks,
-                                                                                            stream);
+  return launch_bwd_main<Traits, PlainScores, DenseGridTileMap, /*kOrderedDq=*/false>(params, {}, n_blocks, stream);
 }
 
 template <int kHeadDim, typename Element>
@@ -58,7 +57,7 @@ Status run_bwd(const BwdParams& params, cudaStream_t stream) {
   // A packed batch: its query rows (preprocess, dQ conversion) and key blocks (main kernel) are
   // listed first, so that every grid covers the real tiles (common/varlen_tiles.h).
   VarlenTiles rows;
-  GridTileScheduler::Params sched;
+  GridTileMap::Params sched;
   if (p.is_varlen()) {
     if (Status s =
             launch_bwd_varlen_prep(params, kFamilyArch, kTile.block_n, stream, rows, sched.tiles, "sm80 backward");
@@ -75,19 +74,19 @@ Status run_bwd(const BwdParams& params, cudaStream_t stream) {
   if (Status s = cuda_status(cudaGetLastError(), "sm80 backward preprocess launch"); !s.ok()) return s;
 
   // Four instantiations (five at d > 128): dense calls run kernels without the packed path
-  // (DenseGridTileScheduler: register spills), and those without softcap, ALiBi, dropout or
+  // (DenseGridTileMap: register spills), and those without softcap, ALiBi, dropout or
   // deterministic mode one with them compiled out too (PlainScores: the switches cost those calls
   // up to a tenth, PERFLOG.md entry 93; BwdDqOrder<false>), with two Q stages where shared memory
   // allows (launch_bwd_plain); tensors narrower than the tile (head_dim_real), dense or packed, one
   // that predicates by column (BwdTraits::kNarrow).
   const int n_blocks = ceil_div(p.seqlen_k, kTile.block_n);
-  const Status s =
-      p.cols() != kHeadDim
-          ? launch_bwd_main<NarrowTraits, AllScoreFeatures, GridTileScheduler>(params, sched, n_blocks, stream)
-      : p.is_varlen() ? launch_bwd_main<Traits, AllScoreFeatures, GridTileScheduler>(params, sched, n_blocks, stream)
-      : PlainScores::covers(p) && !params.deterministic
-          ? launch_bwd_plain<PlainTraits, Traits>(params, n_blocks, stream)
-          : launch_bwd_main<Traits, AllScoreFeatures, DenseGridTileScheduler>(params, {}, n_blocks, stream);
+  const Status s = p.cols() != kHeadDim
+                       ? launch_bwd_main<NarrowTraits, AllScoreFeatures, GridTileMap>(params, sched, n_blocks, stream)
+                   : p.is_varlen()
+                       ? launch_bwd_main<Traits, AllScoreFeatures, GridTileMap>(params, sched, n_blocks, stream)
+                   : PlainScores::covers(p) && !params.deterministic
+                       ? launch_bwd_plain<PlainTraits, Traits>(params, n_blocks, stream)
+                       : launch_bwd_main<Traits, AllScoreFeatures, DenseGridTileMap>(params, {}, n_blocks, stream);
   if (!s.ok()) return s;
 
   static_assert(kBwdRowAlign % kTile.block_m == 0, "dQ conversion blocks split the packed row tiles");

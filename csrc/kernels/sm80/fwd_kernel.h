@@ -9,7 +9,7 @@
 #include "kernels/common/block_info.h"
 #include "kernels/common/score_policy.h"
 #include "kernels/common/softmax.h"
-#include "kernels/common/tile_scheduler.h"
+#include "kernels/common/tile_order.h"
 #include "kernels/sm80/fwd_epilogue.h"
 #include "kernels/sm80/fwd_mainloop.h"
 

@@ -3,7 +3,7 @@
 
 #include <type_traits>
 
-#include "kernels/common/tile_scheduler.h"
+#include "kernels/common/tile_order.h"
 #include "kernels/common/varlen_tiles.h"
 #include "kernels/sm80/fwd_kernel.h"
 #include "kernels/sm80/fwd_traits.h"
@@ -29,8 +29,8 @@ template <typename StagedTraits, typename Traits>
 Status launch_fwd_plain(const FwdParams& params, cudaStream_t stream) {
   if constexpr (!std::is_same_v<StagedTraits, Traits>) {
     constexpr auto staged =
-        fwd_kernel<FwdMainloop<StagedTraits, PlainScores>, FwdEpilogue<StagedTraits>, DenseGridTileScheduler>;
-    constexpr auto single = fwd_kernel<FwdMainloop<Traits, PlainScores>, FwdEpilogue<Traits>, DenseGridTileScheduler>;
+        fwd_kernel<FwdMainloop<StagedTraits, PlainScores>, FwdEpilogue<StagedTraits>, DenseGridTileMap>;
+    constexpr auto single = fwd_kernel<FwdMainloop<Traits, PlainScores>, FwdEpilogue<Traits>, DenseGridTileMap>;
     int limit = 0, staged_blocks = 0, single_blocks = 0;
     if (Status s = smem_per_block_optin(limit); !s.ok()) return s;
     if (StagedTraits::kSmemBytes <= limit) {
@@ -40,14 +40,14 @@ Status launch_fwd_plain(const FwdParams& params, cudaStream_t stream) {
       if (s.ok()) s = resident_blocks<single>(Traits::kNThreads, Traits::kSmemBytes, single_blocks);
       if (!s.ok()) return s;
       if (staged_blocks >= single_blocks)
-        return launch_fwd<StagedTraits, PlainScores, DenseGridTileScheduler>(params, {}, stream);
+        return launch_fwd<StagedTraits, PlainScores, DenseGridTileMap>(params, {}, stream);
     }
   }
-  return launch_fwd<Traits, PlainScores, DenseGridTileScheduler>(params, {}, stream);
+  return launch_fwd<Traits, PlainScores, DenseGridTileMap>(params, {}, stream);
 }
 
 // Three instantiations (four up to d = 128): the calls without softcap, ALiBi, dropout or a packed
-// batch run one with those compiled out (PlainScores, DenseGridTileScheduler: the runtime switches
+// batch run one with those compiled out (PlainScores, DenseGridTileMap: the runtime switches
 // cost those calls up to a third, PERFLOG.md entry 93), on two K/V buffers where the device allows
 // (launch_fwd_plain); tensors narrower than the tile (head_dim_real) one with all of them that
 // predicates by column (FwdTraits::kNarrow); every other call the one with all of them.
@@ -68,7 +68,7 @@ Status run_fwd(const FwdParams& params, cudaStream_t stream) {
     return launch_fwd_plain<StagedTraits, PlainTraits>(params, stream);
   }
   // A packed batch: its query blocks are listed first (common/varlen_tiles.h), one block each.
-  GridTileScheduler::Params sched;
+  GridTileMap::Params sched;
   if (p.is_varlen()) {
     sched.tiles = VarlenTiles::at_storage(params.workspace, p, kTile.block_m, /*keys=*/false);
     VarlenTilesArgs args = fwd_varlen_args(params);
@@ -77,8 +77,8 @@ Status run_fwd(const FwdParams& params, cudaStream_t stream) {
     if (Status s = cuda_status(launch_varlen_tiles(args, stream), "sm80 forward: packed batch tile list"); !s.ok())
       return s;
   }
-  return narrow ? launch_fwd<NarrowTraits, AllScoreFeatures, GridTileScheduler>(params, sched, stream)
-                : launch_fwd<Traits, AllScoreFeatures, GridTileScheduler>(params, sched, stream);
+  return narrow ? launch_fwd<NarrowTraits, AllScoreFeatures, GridTileMap>(params, sched, stream)
+                : launch_fwd<Traits, AllScoreFeatures, GridTileMap>(params, sched, stream);
 }
 
 }  // namespace cutlass_flash::sm80

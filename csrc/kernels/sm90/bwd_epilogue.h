@@ -8,7 +8,7 @@
 #include <cstdint>
 
 #include "cutlass_flash/params.h"
-#include "kernels/common/tile_scheduler.h"
+#include "kernels/common/tile_order.h"
 #include "generated/bwd_workspace.h"
 #include "kernels/common/block_info.h"
 #include "kernels/common/bwd_convert_dq.h"

@@ -13,7 +13,7 @@
 
 #include "cutlass_flash/params.h"
 #include "kernels/common/mask.h"
-#include "kernels/common/tile_scheduler.h"
+#include "kernels/common/tile_order.h"
 #include "kernels/sm90/bwd_epilogue.h"
 #include "kernels/sm90/bwd_mainloop.h"
 #include "kernels/sm90/bwd_traits.h"

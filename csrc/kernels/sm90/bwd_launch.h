@@ -7,7 +7,7 @@
 #include "generated/bwd_workspace.h"
 #include "kernels/common/bwd_preprocess.h"
 #include "kernels/common/launch_utils.h"
-#include "kernels/common/tile_scheduler.h"
+#include "kernels/common/tile_order.h"
 #include "kernels/common/varlen_tiles.h"
 #include "kernels/sm90/bwd_epilogue.h"
 #include "kernels/sm90/bwd_kernel.h"
@@ -101,16 +101,15 @@ Status run_bwd_mainloop(const BwdParams& params, cudaStream_t stream) {
   // CUDA_ERROR_INVALID_CONTEXT (201) and the kernel ran on a garbage descriptor.
   BwdKernelParams<Traits> kp = bwd_kernel_params<Traits>(params);
   kp.scheduler.tiles = keys;
-  // Dense calls run the kernel without the packed path (DenseGridTileScheduler says why).
+  // Dense calls run the kernel without the packed path (DenseGridTileMap says why).
   if (p.is_varlen()) {
-    constexpr auto kernel = bwd_kernel<Mainloop, BwdEpilogue<Traits>, GridTileScheduler>;
+    constexpr auto kernel = bwd_kernel<Mainloop, BwdEpilogue<Traits>, GridTileMap>;
     if (Status s = ensure_smem_limit<kernel>(Traits::kSmemBytes); !s.ok()) return s;
-    kernel<<<GridTileScheduler::grid(kp.scheduler, 0, p.nheads_kv, 1), Traits::kNThreads, Traits::kSmemBytes, stream>>>(
-        kp);
+    kernel<<<GridTileMap::grid(kp.scheduler, 0, p.nheads_kv, 1), Traits::kNThreads, Traits::kSmemBytes, stream>>>(kp);
   } else {
-    constexpr auto kernel = bwd_kernel<Mainloop, BwdEpilogue<Traits>, DenseGridTileScheduler>;
+    constexpr auto kernel = bwd_kernel<Mainloop, BwdEpilogue<Traits>, DenseGridTileMap>;
     if (Status s = ensure_smem_limit<kernel>(Traits::kSmemBytes); !s.ok()) return s;
-    const dim3 grid = DenseGridTileScheduler::grid({}, ceil_div(p.seqlen_k, Traits::kBlockN), p.nheads_kv, p.batch);
+    const dim3 grid = DenseGridTileMap::grid({}, ceil_div(p.seqlen_k, Traits::kBlockN), p.nheads_kv, p.batch);
     kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(kp);
   }
   if (Status s = cuda_status(cudaGetLastError(), "sm90 backward launch"); !s.ok()) return s;

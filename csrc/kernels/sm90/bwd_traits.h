@@ -22,7 +22,7 @@
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
 #include "cutlass_flash/params.h"
-#include "kernels/common/tile_scheduler.h"
+#include "kernels/common/tile_order.h"
 #include "kernels/sm90/utils.h"
 
 namespace cutlass_flash::sm90 {
@@ -358,11 +358,11 @@ struct BwdKernelParams {
   float* dq_accum;  // workspace arrays (generated/bwd_workspace.h), rows rounded per (batch, head)
   const float* dpsum;
   const float* lse_log2;
-  int* dq_semaphore;                    // null unless deterministic
-  int64_t rows_per_head;                // BwdWorkspace::rows_per_head
-  int64_t dq_group_rows;                // BwdWorkspace::rows: the row offset between dQ groups' copies
-  int dq_groups;                        // BwdWorkspace::dq_groups (1 unless deterministic)
-  GridTileScheduler::Params scheduler;  // a packed batch's key blocks
+  int* dq_semaphore;              // null unless deterministic
+  int64_t rows_per_head;          // BwdWorkspace::rows_per_head
+  int64_t dq_group_rows;          // BwdWorkspace::rows: the row offset between dQ groups' copies
+  int dq_groups;                  // BwdWorkspace::dq_groups (1 unless deterministic)
+  GridTileMap::Params scheduler;  // a packed batch's key blocks
   typename Traits::TmaQ tma_q;
   typename Traits::TmaQ tma_do;
   typename Traits::TmaKV tma_k;

@@ -11,7 +11,7 @@
 
 #include "cutlass_flash/params.h"
 #include "kernels/common/block_info.h"
-#include "kernels/common/tile_scheduler.h"
+#include "kernels/common/tile_order.h"
 #include "kernels/sm90/fwd_traits.h"
 #include "kernels/sm90/utils.h"
 

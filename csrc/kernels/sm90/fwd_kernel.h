@@ -13,7 +13,7 @@
 #include "cutlass_flash/params.h"
 #include "kernels/common/score_policy.h"
 #include "kernels/common/softmax.h"
-#include "kernels/common/tile_scheduler.h"
+#include "kernels/common/tile_order.h"
 #include "kernels/sm90/fwd_epilogue.h"
 #include "kernels/sm90/fwd_mainloop.h"
 #include "kernels/sm90/fwd_traits.h"
@@ -88,7 +88,7 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
     const int wg = warp_group - 1, tid = int(threadIdx.x) % 128;
-    const WarpScheduler<Traits::kNMmaWarpGroups> ping_pong{wg};
+    const PingPong<Traits::kNMmaWarpGroups> ping_pong{wg};
     ping_pong.init();
     typename Mainloop::ConsumerState state;
     typename Traits::TiledMmaPV mma_pv;

@@ -26,11 +26,11 @@ using namespace cute;
 // issuing and, after issuing, arrives on every other warpgroup's barrier; a barrier completes with
 // w's 128 threads plus one arrival of each other warpgroup, so issue goes round-robin.
 template <int kNMmaWarpGroups>
-struct WarpScheduler {
+struct PingPong {
   static constexpr int kThreads = kNMmaWarpGroups * 128;
   int wg;  // consumer warpgroup index, 0-based
 
-  __device__ static int barrier(int w) { return int(FwdBarrier::kWarpSchedulerWG1) + w; }
+  __device__ static int barrier(int w) { return int(FwdBarrier::kPingPongWG1) + w; }
 
   // Warpgroup w starts with the arrivals of every later warpgroup, so warpgroup 0 issues first.
   __device__ void init() const {
@@ -157,7 +157,7 @@ struct FwdMainloop {
   template <typename TiledMma, typename TensorQ, typename TensorK, typename TensorS>
   __device__ __forceinline__ static void first_s_gemm(TiledMma& mma, const TensorQ& tSrQ, const TensorK& tSrK,
                                                       TensorS& tSrS, PipelineKV& pipeline_k, ConsumerState& st,
-                                                      const WarpScheduler<Traits::kNMmaWarpGroups>& scheduler) {
+                                                      const PingPong<Traits::kNMmaWarpGroups>& scheduler) {
     pipeline_k.consumer_wait(st.k);
     scheduler.sync();
     gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma, tSrQ, tSrK(_, _, _, st.k.index()), tSrS);
@@ -196,9 +196,9 @@ struct FwdMainloop {
   template <typename AccO, typename Softmax>
   __device__ __forceinline__ static void mma(typename Traits::SharedStorage& shared, PipelineKV& pipeline_k,
                                              PipelineKV& pipeline_v, ConsumerState& st,
-                                             const WarpScheduler<Traits::kNMmaWarpGroups>& scheduler,
-                                             const Score& score, int m_block, int n_min, int n_max, bool packed, int wg,
-                                             int tid, AccO& acc_o, Softmax& softmax) {
+                                             const PingPong<Traits::kNMmaWarpGroups>& scheduler, const Score& score,
+                                             int m_block, int n_min, int n_max, bool packed, int wg, int tid,
+                                             AccO& acc_o, Softmax& softmax) {
     const WindowMask& mask = score.mask;
     typename Traits::TiledMmaQK mma_qk;
     typename Traits::TiledMmaPV mma_pv;

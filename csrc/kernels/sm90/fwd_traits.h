@@ -124,9 +124,9 @@ struct FwdTraits {
 
 // Named barriers of the consumer warpgroups (ids after CUTLASS's reserved ones).
 enum class FwdBarrier : int {
-  kWarpSchedulerWG1 = 0,  // + warpgroup index - 1: ping-pong of GEMM issue
-  kEpilogueWG1 = 3,       // + warpgroup index - 1: a warpgroup's O staging in shared memory
-  kVClip = 6,             // every consumer: a packed sequence's last V block cleared past its keys
+  kPingPongWG1 = 0,  // + warpgroup index - 1: ping-pong of GEMM issue
+  kEpilogueWG1 = 3,  // + warpgroup index - 1: a warpgroup's O staging in shared memory
+  kVClip = 6,        // every consumer: a packed sequence's last V block cleared past its keys
 };
 
 // Kernel parameters: the library's plain FwdParams plus the TMA descriptors built from them.

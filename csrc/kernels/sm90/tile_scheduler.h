@@ -5,7 +5,7 @@
 // claims the next ones from a global counter as it finishes tiles (`first`, `next`), which keeps
 // the causal longest-first order balanced whatever the tile lengths; a static stride made the
 // rate depend on how lengths fell onto blocks (PERFLOG.md, entry 18). Tile indices map to
-// (query block, head, batch) in PersistentTileScheduler's order (common/tile_scheduler.h), or,
+// (query block, head, batch) in PersistentTileOrder's order (common/tile_order.h), or,
 // for a packed batch, over the real tiles that varlen_tiles_kernel lists (FwdTileOrder).
 //
 // Inside a block, the producer warpgroup's tile thread claims and decodes each tile one ahead of
@@ -24,7 +24,7 @@
 
 #include "cutlass_flash/params.h"
 #include "kernels/common/launch_utils.h"
-#include "kernels/common/tile_scheduler.h"
+#include "kernels/common/tile_order.h"
 #include "kernels/common/varlen_tiles.h"
 
 namespace cutlass_flash::sm90 {
@@ -41,7 +41,7 @@ struct TileWork {
 // with one, in groups of `group` heads, the list reversed (each sequence's longest query blocks
 // first) with the group's heads inner, as the dense causal order within a (head, batch) group.
 struct FwdTileOrder {
-  PersistentTileScheduler dense;
+  PersistentTileOrder dense;
   VarlenTiles list;  // packed batches: list.count != nullptr
   int rows;          // list.size()
   int num_tiles;
@@ -58,7 +58,7 @@ struct FwdTileOrder {
 struct DynamicTileScheduler {
   struct Params {
     int num_m_blocks;   // query blocks per (head, batch)
-    int group;          // PersistentTileScheduler::group (causal)
+    int group;          // PersistentTileOrder::group (causal)
     int* counter;       // tiles claimed after each block's first, zeroed before each launch
     VarlenTiles tiles;  // packed batches: the query blocks (tiles.count == nullptr when dense)
   };
@@ -83,8 +83,8 @@ struct DynamicTileScheduler {
       sp.tiles = VarlenTiles::at_storage(workspace, p, block_m, /*keys=*/false);
       if (int64_t(sp.tiles.capacity) * p.nheads >= INT_MAX)
         return {Status::kInvalidArgument, "sm90 forward: more than 2^31 tiles in the packed batch"};
-      grid = PersistentTileScheduler::grid_size(sp.tiles.capacity * p.nheads, num_sms);
-      sp.group = group > 0 ? std::min(group, p.nheads) : PersistentTileScheduler::group_size(p.nheads);
+      grid = PersistentTileOrder::grid_size(sp.tiles.capacity * p.nheads, num_sms);
+      sp.group = group > 0 ? std::min(group, p.nheads) : PersistentTileOrder::group_size(p.nheads);
       sp.counter = sp.tiles.count + 1;
       prep.problem = p;
       prep.lists[0] = sp.tiles;
@@ -92,9 +92,8 @@ struct DynamicTileScheduler {
       return cuda_status(launch_varlen_tiles(prep, stream), "sm90 forward: packed batch tile list");
     }
     sp.tiles = VarlenTiles{};
-    grid = PersistentTileScheduler::grid_size(sp.num_m_blocks * p.nheads * p.batch, num_sms);
-    sp.group =
-        group > 0 ? std::min(group, p.nheads * p.batch) : PersistentTileScheduler::group_size(p.nheads * p.batch);
+    grid = PersistentTileOrder::grid_size(sp.num_m_blocks * p.nheads * p.batch, num_sms);
+    sp.group = group > 0 ? std::min(group, p.nheads * p.batch) : PersistentTileOrder::group_size(p.nheads * p.batch);
     sp.counter = static_cast<int*>(workspace);
     return cuda_status(cudaMemsetAsync(sp.counter, 0, sizeof(int), stream), "sm90 forward: zeroing the tile counter");
   }
@@ -102,7 +101,7 @@ struct DynamicTileScheduler {
   // The tile order; a causal mask (a right window bound) takes the longest tiles first.
   __device__ static FwdTileOrder order(const Params& sp, const AttnProblem& p) {
     FwdTileOrder o{
-        PersistentTileScheduler(sp.num_m_blocks, p.nheads, p.batch, /*longest_first=*/p.window_right >= 0, sp.group),
+        PersistentTileOrder(sp.num_m_blocks, p.nheads, p.batch, /*longest_first=*/p.window_right >= 0, sp.group),
         sp.tiles, 0, 0};
     o.num_tiles = o.dense.num_tiles;
     if (sp.tiles.count != nullptr) {

@@ -83,15 +83,14 @@ struct VarlenTiles {
 // same K/V blocks at the same moment. kCausalGroup pairs measured within 3% of the best group
 // size at d = 128 and 256, 1k to 16k tokens, where group sizes fitted to a quarter of the L2
 // lost up to 16% and all pairs 18% (PERFLOG.md, entry 18).
-struct PersistentTileScheduler {
+struct PersistentTileOrder {
   int num_blocks;  // query blocks per (head, batch)
   int nheads;
   int num_tiles;
   bool longest_first;
   int group;  // (head, batch) pairs per group when longest_first
 
-  __host__ __device__ PersistentTileScheduler(int num_blocks_, int nheads_, int batch, bool longest_first_,
-                                              int group_ = 1)
+  __host__ __device__ PersistentTileOrder(int num_blocks_, int nheads_, int batch, bool longest_first_, int group_ = 1)
       : num_blocks(num_blocks_),
         nheads(nheads_),
         num_tiles(num_blocks_ * nheads_ * batch),
@@ -124,7 +123,7 @@ struct PersistentTileScheduler {
 // One thread block per tile, tiles fastest. With a causal mask the tile with the highest index has
 // the most work; the hardware starts blocks in launch order, so issuing those first shortens the
 // tail where a few long blocks run alone on an otherwise idle GPU. A dense grid takes the
-// persistent grid's order for it (PersistentTileScheduler::coord: query blocks descending, groups
+// persistent grid's order for it (PersistentTileOrder::coord: query blocks descending, groups
 // of kCausalGroup (head, batch) pairs inner), so the last wave is the last group's short blocks;
 // with each pair's blocks in turn, the last pair's longest block started a few blocks before the
 // end and ran alone.
@@ -136,7 +135,7 @@ struct PersistentTileScheduler {
 // start in the order of their block index, which the deterministic dQ protocol relies on
 // (common/dq_semaphore.h).
 //
-// kPackable = false compiles the packed path out (DenseGridTileScheduler), and the backward kernels
+// kPackable = false compiles the packed path out (DenseGridTileMap), and the backward kernels
 // of both families take their packed-only work from it too: with that path in the one kernel, the
 // sm80 backward at 255 registers spilled 48-64 B at d = 64 (0 B without) and the sm90 dense
 // backward ran 2-6% slower (A/B on an H200, PERFLOG 91), so dense calls run kernels without it.
@@ -145,7 +144,7 @@ struct GridTileParams {
 };
 
 template <bool kPackable_>
-struct GridTileSchedulerT {
+struct GridTileMapT {
   static constexpr bool kPackable = kPackable_;
   using Params = GridTileParams;
 
@@ -166,12 +165,12 @@ struct GridTileSchedulerT {
     return dense(int(blockIdx.x), int(blockIdx.y), int(blockIdx.z), longest_first);
   }
 
-  // A dense grid's block (x, y, z): the tile (x, y, z), or in PersistentTileScheduler's causal order.
+  // A dense grid's block (x, y, z): the tile (x, y, z), or in PersistentTileOrder's causal order.
   __device__ static TileCoord dense(int x, int y, int z, bool longest_first) {
     if (!longest_first) return {x, y, z};
     const int pairs = int(gridDim.y * gridDim.z);
-    const PersistentTileScheduler order(int(gridDim.x), int(gridDim.y), int(gridDim.z), true,
-                                        PersistentTileScheduler::group_size(pairs));
+    const PersistentTileOrder order(int(gridDim.x), int(gridDim.y), int(gridDim.z), true,
+                                    PersistentTileOrder::group_size(pairs));
     return order.coord(x + int(gridDim.x) * (y + int(gridDim.y) * z));
   }
 
@@ -196,7 +195,7 @@ struct GridTileSchedulerT {
   }
 #endif
 };
-using GridTileScheduler = GridTileSchedulerT</*kPackable=*/true>;
-using DenseGridTileScheduler = GridTileSchedulerT</*kPackable=*/false>;
+using GridTileMap = GridTileMapT</*kPackable=*/true>;
+using DenseGridTileMap = GridTileMapT</*kPackable=*/false>;
 
 }  // namespace cutlass_flash
