@@ -9,6 +9,7 @@ Public API::
     with cutlass_flash.force_arch(80):                     # force the sm80 kernel family
         ...
     cutlass_flash.built_kernels()                          # [(arch, 'fwd'|'bwd', head_dim, dtype)]
+    cutlass_flash.plan(q, k, "bwd")                        # what a call runs, or its error
 
 Importing works without a GPU or driver. If the compiled module (cutlass_flash._C) is missing,
 the import still succeeds and the first call that needs kernels raises ImportError saying how to
@@ -24,7 +25,7 @@ from ._dispatch import (
     forced_arch,
     padded_head_dim,
 )
-from ._ops import flash_attn_func, flash_attn_varlen_func
+from ._ops import Plan, flash_attn_func, flash_attn_varlen_func, plan
 from . import sdpa
 
 sdpa.register()  # torch.nn.attention.activate_flash_attention_impl("cutlass_flash") opts in
@@ -71,6 +72,7 @@ def extension_error():
 __all__ = [
     "ENV_FORCE_ARCH",
     "INSTANTIATED_HEAD_DIMS",
+    "Plan",
     "__version__",
     "built_kernels",
     "extension_error",
@@ -79,4 +81,5 @@ __all__ = [
     "force_arch",
     "forced_arch",
     "padded_head_dim",
+    "plan",
 ]

@@ -30,7 +30,7 @@ dispatch costs more per call than the kernel launch itself. Under torch.compile,
 FakeTensorMode it calls the ops.
 """
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -128,6 +128,50 @@ def _kernel_query(q, softmax_scale):
     return torch.zeros_like(q), 1.0
 
 
+class Plan(NamedTuple):
+    """What a call runs (plan()): the kernel family, the head dim of its kernels, the zero columns
+    appended to q, k, v for them (0: read in place), and the dtype's name."""
+    arch: int
+    head_dim: int
+    pad: int
+    dtype: str
+
+
+def plan(q, k, direction="fwd", *, softcap=0.0, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
+         max_seqlen_q=None, max_seqlen_k=None):
+    """The kernels a call of flash_attn_func (or, with cu_seqlens, flash_attn_varlen_func) on q, k
+    runs for ``direction`` ("fwd" or "bwd"), as a Plan, or the error that call would raise: the
+    family (cutlass_flash.force_arch's or automatic), the head dim of its kernels (the next
+    instantiated one; softcap with ALiBi may move it up), the zero columns added to q, k, v for
+    them, and every check that depends on these. Nothing runs on the GPU.
+
+        cutlass_flash.plan(q, k)                   # Plan(arch=90, head_dim=128, pad=0, dtype='bf16')
+        cutlass_flash.plan(q, k, "bwd", softcap=30.0, alibi_slopes=slopes)  # or NotImplementedError
+    """
+    if direction not in ("fwd", "bwd"):
+        raise ValueError(f"direction must be 'fwd' or 'bwd', got {direction!r}")
+    varlen = None
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        q, k = q.unsqueeze(0), k.unsqueeze(0)
+        varlen = (cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), None, None)
+    return _plan(direction, q, k, _dispatch.forced_arch(), softcap, alibi_slopes, varlen)
+
+
+def _plan(direction, q, k, arch=0, softcap=0.0, alibi_slopes=None, varlen=None):
+    """plan() on the ops' arguments: q (batch, seqlen_q, nheads, head_dim), a packed batch's
+    (1, total_q, ...) view with ``varlen`` as _fwd_impl takes it; ``arch`` 0: automatic."""
+    head_dim = q.shape[3]
+    _check_limits(q, k, varlen)
+    padded = _dispatch.padded_head_dim(head_dim)
+    dtype_name = _dispatch.DTYPE_NAMES[q.dtype]
+    arch = _dispatch.resolve_arch(arch, direction, padded, dtype_name, q.device, varlen is not None)
+    padded = _dispatch.features_head_dim(arch, direction, padded, dtype_name, softcap, alibi_slopes)
+    _validate.check_family_features(arch, direction, padded, softcap, alibi_slopes)
+    if direction == "bwd" and arch == 80:
+        _validate.check_sm80_backward(varlen[2] if varlen is not None else q.shape[1], padded)
+    return Plan(arch, padded, _head_pad(arch, direction, head_dim, padded), dtype_name)
+
+
 def _kernel_sinks(sinks):
     """The sink logits as the kernels read them: float32, contiguous (None stays None)."""
     return None if sinks is None else sinks.detach().to(torch.float32).contiguous()
@@ -169,16 +213,9 @@ def _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, determini
         if sinks is not None:
             lse.copy_(sinks[:, None].expand_as(lse))
         return (torch.zeros_like(q) if out is None else out.zero_()), lse
-    _check_limits(q, k, varlen)
-    padded = _dispatch.padded_head_dim(head_dim)
-    dtype_name = _dispatch.DTYPE_NAMES[q.dtype]
+    arch, padded, pad, dtype_name = _plan("fwd", q, k, arch, softcap, alibi_slopes, varlen)
     device = q.device
-    arch = _dispatch.resolve_arch(arch, "fwd", padded, dtype_name, device, varlen is not None)
-    padded = _dispatch.features_head_dim(arch, "fwd", padded, dtype_name, softcap, alibi_slopes)
-    _validate.check_family_features(arch, "fwd", padded, softcap, alibi_slopes)
     C = _dispatch.lib()
-
-    pad = _head_pad(arch, "fwd", head_dim, padded)
     q, k, v = _kernel_input(q, pad), _kernel_input(k, pad), _kernel_input(v, pad)
     q, softmax_scale = _kernel_query(q, softmax_scale)
     dest = out
@@ -269,18 +306,9 @@ def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
                 dest.zero_()
         dsinks = None if sinks is None else torch.zeros_like(sinks)
         return tuple(grad if dest is None else dest for grad, dest in zip(grads, dests)) + (dsinks,)
-    _check_limits(q, k, varlen)
-    padded = _dispatch.padded_head_dim(head_dim)
-    dtype_name = _dispatch.DTYPE_NAMES[q.dtype]
+    arch, padded, pad, dtype_name = _plan("bwd", q, k, arch, softcap, alibi_slopes, varlen)
     device = q.device
-    arch = _dispatch.resolve_arch(arch, "bwd", padded, dtype_name, device, varlen is not None)
-    padded = _dispatch.features_head_dim(arch, "bwd", padded, dtype_name, softcap, alibi_slopes)
-    _validate.check_family_features(arch, "bwd", padded, softcap, alibi_slopes)
-    if arch == 80:
-        _validate.check_sm80_backward(varlen[2] if varlen is not None else seqlen_q, padded)
     C = _dispatch.lib()
-
-    pad = _head_pad(arch, "bwd", head_dim, padded)
     q, k, v, out, dout = (_kernel_input(t, pad) for t in (q, k, v, out, dout))
     q, kernel_scale = _kernel_query(q, softmax_scale)
     lse = lse.contiguous()
