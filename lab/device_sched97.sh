@@ -1,3 +1,8 @@
+#!/usr/bin/env bash
+# PERFLOG 97's final check on a 2-GPU machine, one command: the sm80 family against SDPA's FA2 on
+# the bf16 (5 rounds, GPU 0) and fp16 (3 rounds, GPU 1) grids, then the sm80 GPU tests of the
+# forward's causal order (accuracy and sinks; misc, hardening, dropout, low-level, seqused).
+#   OUT=$OUT bash lab/device_sched97.sh     (the library built here, carried)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 L=/tmp/f97; mkdir -p $L
 python3 -c "import cutlass_flash._C" 2>/dev/null || CUTLASS_FLASH_BINDING_ONLY=1 python3 setup.py build_ext --inplace > $L/bind.log 2>&1
