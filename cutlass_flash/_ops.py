@@ -172,6 +172,27 @@ def _plan(direction, q, k, arch=0, softcap=0.0, alibi_slopes=None, varlen=None):
     return Plan(arch, padded, _head_pad(arch, direction, head_dim, padded), dtype_name)
 
 
+def _output_buffer(dest, shape, pad, like):
+    """Where the kernels write an output of ``shape``: the caller's buffer ``dest`` where they can
+    write it in place (no padded head dim, a layout they write), else a new tensor that
+    _deliver copies there."""
+    if dest is not None and not pad and _validate.is_kernel_layout(dest):
+        return dest
+    return torch.empty(shape, dtype=like.dtype, device=like.device)
+
+
+def _deliver(result, dest, head_dim, pad):
+    """The kernels' ``result`` without its padded columns, in ``dest`` where the caller gave one
+    (a fresh unpadded result is contiguous already: contiguous() returns it as it is)."""
+    if pad:
+        result = result[..., :head_dim]
+    if dest is None:
+        return result.contiguous()
+    if dest.data_ptr() != result.data_ptr():
+        dest.copy_(result)
+    return dest
+
+
 def _kernel_sinks(sinks):
     """The sink logits as the kernels read them: float32, contiguous (None stays None)."""
     return None if sinks is None else sinks.detach().to(torch.float32).contiguous()
@@ -218,9 +239,7 @@ def _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, determini
     C = _dispatch.lib()
     q, k, v = _kernel_input(q, pad), _kernel_input(k, pad), _kernel_input(v, pad)
     q, softmax_scale = _kernel_query(q, softmax_scale)
-    dest = out
-    if dest is None or pad or not _validate.is_kernel_layout(dest):
-        out = torch.empty((batch, seqlen_q, nheads, head_dim + pad), dtype=q.dtype, device=device)
+    dest, out = out, _output_buffer(out, (batch, seqlen_q, nheads, head_dim + pad), pad, q)
     lse = torch.empty(_lse_shape(q, varlen), dtype=torch.float32, device=device)
     for (qs, ks, vs, os_, lses), slopes, rng in _launches(varlen, alibi_slopes, rng_state, q, k, v, out, lse):
         problem = _problem(qs, ks, padded, softmax_scale, window_left, window_right, dtype_name, softcap,
@@ -240,11 +259,7 @@ def _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, determini
             arch=arch,
             stream=_dispatch.current_stream(device),
         )
-    if pad:
-        out = out[..., :head_dim].contiguous()
-    if dest is not None and dest.data_ptr() != out.data_ptr():
-        out = dest.copy_(out)
-    return out, lse
+    return _deliver(out, dest, head_dim, pad), lse
 
 
 def _check_limits(q, k, varlen):
@@ -313,15 +328,10 @@ def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
     q, kernel_scale = _kernel_query(q, softmax_scale)
     lse = lse.contiguous()
 
-    def target(dest, shape):
-        if dest is not None and not pad and _validate.is_kernel_layout(dest):
-            return dest
-        return torch.empty(shape, dtype=q.dtype, device=device)
-
     cols = head_dim + pad
-    dq = target(dq, (batch, seqlen_q, nheads, cols))
-    dk = target(dk, (batch, seqlen_k, nheads_kv, cols))
-    dv = target(dv, (batch, seqlen_k, nheads_kv, cols))
+    dq = _output_buffer(dq, (batch, seqlen_q, nheads, cols), pad, q)
+    dk = _output_buffer(dk, (batch, seqlen_k, nheads_kv, cols), pad, q)
+    dv = _output_buffer(dv, (batch, seqlen_k, nheads_kv, cols), pad, q)
     # Each query row's share of dsinks (BwdParams::dsink_rows), summed below in a fixed order. The
     # kernels write every row of a dense batch; a packed one's rows of no sequence stay 0.
     dsink_rows = None
@@ -359,18 +369,12 @@ def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
         dq.neg_()
     elif softmax_scale == 0:
         dq.zero_()
-    grads = (dq, dk, dv)
-    if pad:
-        grads = tuple(t[..., :head_dim] for t in grads)
-    for grad, dest in zip(grads, dests):
-        if dest is not None and grad.data_ptr() != dest.data_ptr():
-            dest.copy_(grad)
+    grads = tuple(_deliver(g, dest, head_dim, pad) for g, dest in zip((dq, dk, dv), dests))
     # lse / dsink_rows: (batch, nheads, seqlen_q), or (nheads, total_q) for a packed batch.
     dsinks = None
     if dsink_rows is not None:
         dsinks = dsink_rows.sum(1) if varlen is not None else dsink_rows.sum((0, 2))
-    # A fresh unpadded gradient is contiguous already (contiguous() returns it as it is).
-    return tuple(grad.contiguous() if dest is None else dest for grad, dest in zip(grads, dests)) + (dsinks,)
+    return grads + (dsinks,)
 
 
 @torch.library.custom_op("cutlass_flash::bwd", mutates_args=())
