@@ -30,9 +30,6 @@ from . import _dispatch, _ops, _validate, dropout
 #: The name under torch.nn.attention's registry.
 NAME = "cutlass_flash"
 
-# The operators we implement: aten name -> our implementation (filled below).
-_IMPLS = {}
-
 
 class _Handle:
     """What activation returns to torch's registry: remove() drops our kernels (the previous ones
@@ -154,7 +151,7 @@ def _sdpa_backward(a):
     return tuple(grads)
 
 
-def _varlen(a, query, key):
+def _varlen(a):
     """_ops' varlen tuple of a packed call (cum_seq_q set), else None; dense seqused_k raises."""
     if a["cum_seq_q"] is None:
         if a.get("seqused_k") is not None:
@@ -167,7 +164,7 @@ def _flash_forward(a):
     """_flash_attention_forward: (B, S, H, D) tensors, or packed (T, H, D) with cum_seq_q/k."""
     query, key, value = a["query"], a["key"], a["value"]
     _check_common(a, query)
-    varlen = _varlen(a, query, key)
+    varlen = _varlen(a)
     output = torch.empty_like(query)
     view = (lambda t: t.unsqueeze(0)) if varlen is not None else (lambda t: t)
     _, lse, rng_state = _forward(view(query), view(key), view(value), a, view(output), varlen, a.get("alibi_slopes"))
@@ -183,7 +180,7 @@ def _flash_forward_inplace(a):
 
 
 def _flash_backward(a):
-    varlen = _varlen(a, a["query"], a["key"])
+    varlen = _varlen(a)
     view = (lambda t: t.unsqueeze(0)) if varlen is not None else (lambda t: t)
     grads = [torch.empty_like(a[n]) for n in ("query", "key", "value")]
     _backward(*(view(a[n]) for n in ("grad_out", "query", "key", "value", "out")), a["logsumexp"], a,
@@ -191,13 +188,14 @@ def _flash_backward(a):
     return tuple(grads)
 
 
-_IMPLS.update({
+# The operators we implement: aten name -> our implementation.
+_IMPLS = {
     "_scaled_dot_product_flash_attention": _sdpa_forward,
     "_scaled_dot_product_flash_attention_backward": _sdpa_backward,
     "_flash_attention_forward": _flash_forward,
     "_flash_attention_backward": _flash_backward,
     "_flash_attention_forward_no_dropout_inplace": _flash_forward_inplace,
-})
+}
 
 
 def _kernel(name, previous):
