@@ -5,6 +5,7 @@ runs on the fake binding, called as the dispatcher would call them; on the GPU t
 F.scaled_dot_product_attention, varlen_attn and torch.compile, with the profiler naming the kernels
 that ran."""
 
+import contextlib
 import importlib.util
 
 import pytest
@@ -25,6 +26,18 @@ def active():
     attention.activate_flash_attention_impl(sdpa.NAME)
     yield
     attention.restore_flash_attention_impl()
+
+
+@contextlib.contextmanager
+def _deterministic_algorithms():
+    """torch.use_deterministic_algorithms for SDPA's calls (our kernels then take dQ's fixed order,
+    the only one that is bit-reproducible), restored afterwards."""
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was)
 
 
 def _bhsd(batch, nheads, seqlen, head_dim, device, dtype=torch.bfloat16, seed=0, nheads_kv=None):
@@ -184,12 +197,8 @@ def test_sdpa_runs_our_kernels(active, causal, gqa, dropout_p):
 
     names = _kernel_names(run)
     assert _ours(names) and not _pytorch_flash(names), sorted(names)
-    was = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
+    with _deterministic_algorithms():
         ours = run()
-    finally:
-        torch.use_deterministic_algorithms(was)
     torch.manual_seed(3)
     leaves = [t.transpose(1, 2) for t in (q, k, v)]
     ref = cutlass_flash.flash_attn_func(*leaves, causal=causal, dropout_p=dropout_p, deterministic=True)
@@ -243,11 +252,8 @@ def test_varlen_attn_runs_our_kernels(active):
 
     names = _kernel_names(run)
     assert _ours(names) and not _pytorch_flash(names), sorted(names)
-    torch.use_deterministic_algorithms(True, warn_only=True)  # dQ in the fixed order, as below
-    try:
+    with _deterministic_algorithms():  # dQ in the fixed order, as below
         ours = run()
-    finally:
-        torch.use_deterministic_algorithms(False)
     ref = cutlass_flash.flash_attn_varlen_func(q, k, v, cu, cu, 900, 900, causal=True, deterministic=True)
     ref = (ref,) + torch.autograd.grad(ref, (q, k, v), dout)
     for name, a, b in zip(("out", "dq", "dk", "dv"), ours, ref):
@@ -280,12 +286,9 @@ def test_nested_jagged_sdpa_runs_our_kernels(active):
         out = _sdpa(q, k, v, is_causal=True).transpose(1, 2).values()
         return (out,) + torch.autograd.grad(out, leaves, values[3])
 
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
+    with _deterministic_algorithms():
         names = _kernel_names(run)
         ours = run()
-    finally:
-        torch.use_deterministic_algorithms(False)
     assert _ours(names) and not _pytorch_flash(names), sorted(names)
     cu = offsets.to(torch.int32)
     leaves = [v.detach().requires_grad_() for v in values[:3]]

@@ -13,7 +13,7 @@ import cutlass_flash
 from attn_ref import assert_within_tolerance, max_abs_err, reference_outputs, slack
 from cases import Case, kernel_archs
 from gpu_check import skip_if_not_built
-from test_varlen import _cu
+from test_varlen import _mask, _reference, packed
 
 NAMES = ("out", "lse", "dq", "dk", "dv", "dsinks")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -97,14 +97,7 @@ LENGTHS_K = (20, 1, 4, 100, 257, 0)  # the last sequence has no keys: out 0, lse
 
 def _check_packed(device, arch, head_dim, dtype, causal):
     lq, lk, nheads, nheads_kv = LENGTHS_Q, LENGTHS_K, 4, 2
-    g = torch.Generator().manual_seed(head_dim)
-
-    def randn(rows, heads):
-        return torch.randn(rows, heads, head_dim, generator=g).to(device=device, dtype=DTYPES[dtype])
-
-    q, k, v = (randn(sum(n), h).requires_grad_() for n, h in ((lq, nheads), (lk, nheads_kv), (lk, nheads_kv)))
-    dout = randn(sum(lq), nheads)
-    cu_q, cu_k = _cu(lq, device), _cu(lk, device)
+    q, k, v, dout, cu_q, cu_k = packed(lq, lk, nheads, nheads_kv, head_dim, DTYPES[dtype], device, seed=head_dim)
     sinks = _sinks(nheads, device, torch.bfloat16)  # the dtype transformers passes
     with cutlass_flash.force_arch(arch):
         out, lse = cutlass_flash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal,
@@ -112,23 +105,8 @@ def _check_packed(device, arch, head_dim, dtype, causal):
         ours = (out, lse) + torch.autograd.grad(out, (q, k, v, sinks), dout)
 
     def reference(dtype_ref, with_sinks=True):
-        """attention_ref sequence by sequence, in the packed layouts; dsinks summed over them."""
-        out_r, dq, dk, dv = (torch.zeros_like(t, dtype=dtype_ref or t.dtype) for t in (q, q, k, v))
-        lse_r = torch.full((nheads, q.shape[0]), float("inf"), dtype=dtype_ref or torch.float32, device=device)
-        dsinks = torch.zeros(nheads, dtype=dtype_ref or torch.float32, device=device)
-        for b, (nq, nk) in enumerate(zip(lq, lk)):
-            sq, sk = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
-            if nq == 0:
-                continue
-            if nk == 0:
-                lse_r[:, sq] = sinks.detach().float()[:, None] if with_sinks else float("inf")
-                continue
-            r = reference_outputs(q[sq][None], k[sk][None], v[sk][None], dout[sq][None], dtype=dtype_ref,
-                                  window=(-1, 0) if causal else (-1, -1), sinks=sinks if with_sinks else None)
-            out_r[sq], lse_r[:, sq], dq[sq], dk[sk], dv[sk] = r[0][0], r[1][0], r[2][0], r[3][0], r[4][0]
-            if with_sinks:
-                dsinks += r[5].to(dsinks.dtype)
-        return out_r, lse_r, dq, dk, dv, dsinks
+        return _reference(q, k, v, dout, cu_q, cu_k, lq, lk, dtype_ref, _mask(causal, (-1, -1), max(lk)),
+                          sinks=sinks if with_sinks else None)
 
     ref, same = reference(torch.float64), reference(None)
     _check(ours, same, ref, max(lq) * nheads // nheads_kv, head_dim, f"packed sm{arch} d={head_dim} {dtype}",

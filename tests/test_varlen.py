@@ -183,22 +183,28 @@ def test_varlen_op_under_make_fx(fake_backend):
 # -- GPU: the kernels against the float64 reference -------------------------------------------
 
 
-def _reference(q, k, v, dout, cu_q, cu_k, lengths_q, lengths_k, dtype, mask, slopes=None):
-    """(out, lse, dq, dk, dv) in the packed layouts, attention_ref sequence by sequence."""
+def _reference(q, k, v, dout, cu_q, cu_k, lengths_q, lengths_k, dtype, mask, slopes=None, sinks=None):
+    """(out, lse, dq, dk, dv) in the packed layouts, attention_ref sequence by sequence; with
+    sinks, dsinks summed over the sequences after them, and lse = the sink on the rows of a
+    sequence without keys."""
     outs = [torch.zeros_like(t, dtype=dtype or t.dtype) for t in (q, q, k, v)]
     out, dq, dk, dv = outs
     lse = torch.full((q.shape[1], q.shape[0]), float("inf"), dtype=torch.float64 if dtype else torch.float32,
                      device=q.device)
+    dsinks = torch.zeros(q.shape[1], dtype=lse.dtype, device=q.device)
     for b, (nq, nk) in enumerate(zip(lengths_q, lengths_k)):
         sq = slice(int(cu_q[b]), int(cu_q[b + 1]))
         sk = slice(int(cu_k[b]), int(cu_k[b + 1]))
         if nq == 0 or nk == 0:
+            if sinks is not None:
+                lse[:, sq] = sinks.detach().to(lse.dtype)[:, None]
             continue
-        o, l, gq, gk, gv = reference_outputs(q[sq][None], k[sk][None], v[sk][None], dout[sq][None],
-                                             dtype=dtype, window=mask,
-                                             alibi_slopes=None if slopes is None else slopes[b:b + 1])
-        out[sq], lse[:, sq], dq[sq], dk[sk], dv[sk] = o[0], l[0], gq[0], gk[0], gv[0]
-    return out, lse, dq, dk, dv
+        r = reference_outputs(q[sq][None], k[sk][None], v[sk][None], dout[sq][None], dtype=dtype, window=mask,
+                              alibi_slopes=None if slopes is None else slopes[b:b + 1], sinks=sinks)
+        out[sq], lse[:, sq], dq[sq], dk[sk], dv[sk] = (t[0] for t in r[:5])
+        if sinks is not None:
+            dsinks += r[5].to(dsinks.dtype)
+    return (out, lse, dq, dk, dv) + ((dsinks,) if sinks is not None else ())
 
 
 def _mask(causal, window, max_k):
