@@ -78,10 +78,16 @@ def zigzag(t, rank, world):
     return torch.cat([chunks[rank], chunks[2 * world - 1 - rank]], dim=1).contiguous()
 
 
-def unzigzag(local, world):
-    """The full sequence from every rank's zigzag chunks (all-gathered)."""
+def gather(local, world):
+    """Every rank's `local`, in rank order."""
     parts = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(parts, local.contiguous())
+    return parts
+
+
+def unzigzag(local, world):
+    """The full sequence from every rank's zigzag chunks."""
+    parts = gather(local, world)
     chunks = [None] * (2 * world)
     for r, p in enumerate(parts):
         a, b = p.chunk(2, dim=1)
@@ -102,11 +108,7 @@ def run_ring(ring, q, k, v, dout, causal):
 
 
 def unshard_ring(local, world, causal):
-    if causal:
-        return unzigzag(local, world)
-    parts = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(parts, local.contiguous())
-    return torch.cat(parts, dim=1)
+    return unzigzag(local, world) if causal else torch.cat(gather(local, world), dim=1)
 
 
 def check(mesh, ring, seqlen, nheads, nheads_kv, causal):

@@ -28,17 +28,8 @@ python3 -c "import cutlass_flash._C" 2>/dev/null ||
   CUTLASS_FLASH_BINDING_ONLY=1 python3 setup.py build_ext --inplace >"$LOGS/build.log" 2>&1 || tail -20 "$LOGS/build.log"
 
 # Fewer than 4 GPUs (a 2-GPU machine): GPU g's work goes to GPU g % NGPU, two processes per GPU.
-NGPU=$(nvidia-smi -L | wc -l)
-gpu() { echo $(( $1 % NGPU )); }
-
-shard() {  # shard GPU NAME ARCH TESTS...: the GPU tests of TESTS on one GPU, strict, family ARCH (0: auto)
-  local gpu=$(gpu $1) name=$2 arch=$3 start=$(date +%s)
-  shift 3
-  CUDA_VISIBLE_DEVICES=$gpu CUTLASS_FLASH_FORCE_ARCH=$arch timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -rs \
-    --strict-gpu --maxfail=30 -m gpu "$@" -p no:cacheprovider >"$LOGS/tests-$name.log" 2>&1
-  echo "[$name] rc $?, $(( $(date +%s) - start )) s: $(tail -1 "$LOGS/tests-$name.log")"
-  grep -E "^(FAILED|ERROR)" "$LOGS/tests-$name.log" | head -20
-}
+TEST_TIMEOUT=${TEST_TIMEOUT:-420}
+. lab/device_lib.sh
 
 case "${PHASE:-tests}" in
   tests)

@@ -25,17 +25,8 @@ python3 -c "import cutlass_flash._C" 2>/dev/null ||
   CUTLASS_FLASH_BINDING_ONLY=1 python3 setup.py build_ext --inplace >"$LOGS/build.log" 2>&1 || tail -20 "$LOGS/build.log"
 python3 -c "import ring_flash_attn" 2>/dev/null || python3 -m pip install --no-deps --no-index .carry/wheels/ring_flash_attn-*.whl \
   >"$LOGS/pip.log" 2>&1 || tail -5 "$LOGS/pip.log"
-NGPU=$(nvidia-smi -L | wc -l)
-gpu() { echo $(( $1 % NGPU )); }
-
-shard() {  # shard GPU NAME ARCH TESTS...: strict GPU tests on one GPU, family ARCH (0: auto)
-  local g=$(gpu $1) name=$2 arch=$3 start=$(date +%s)
-  shift 3
-  CUDA_VISIBLE_DEVICES=$g CUTLASS_FLASH_FORCE_ARCH=$arch timeout "${TEST_TIMEOUT:-500}" python3 -m pytest -q -rs \
-    --strict-gpu --maxfail=30 -m gpu "$@" -p no:cacheprovider >"$LOGS/tests-$name.log" 2>&1
-  echo "[$name] rc $?, $(( $(date +%s) - start )) s: $(tail -1 "$LOGS/tests-$name.log")"
-  grep -E "^(FAILED|ERROR)" "$LOGS/tests-$name.log" | head -20
-}
+TEST_TIMEOUT=${TEST_TIMEOUT:-500}
+. lab/device_lib.sh
 
 case "${PHASE:-tests}" in
   tests)
