@@ -230,10 +230,36 @@ def test_training(kind):
 SCALE_QK = 16.0  # query and key projections scaled up: logits a softcap of 5 changes
 
 
-def _gemma2_softcap_errors(device, monkeypatch=None, broken=False):
-    """(max |ours - eager|, max |eager without softcap - eager|) of Gemma 2's logits with attention
-    logits large enough for a softcap of 5 to change them (SCALE_QK). ``broken``: our functions
-    with softcap dropped (a stand-in that ignores it)."""
+def _errors(device, models, monkeypatch=None, dropped=None):
+    """(max |ours - ref|, max |without - ref|) of the logits of ``models`` (ours, the eager
+    reference, eager without the feature) on one batch. ``dropped``: the arguments our functions
+    then run with instead, {name: value}, a stand-in that ignores the feature (every forward goes
+    through _ops._fwd_impl: transformers caches the functions)."""
+    models = [m.to(device=device, dtype=torch.bfloat16).eval() for m in models]
+    if dropped:
+        from cutlass_flash import _ops
+
+        real = _ops._fwd_impl
+        monkeypatch.setattr(_ops, "_fwd_impl", lambda *a, **kw: real(*a, **{**kw, **dropped}))
+    ids, _ = _batch(device, lengths=(24, 24))
+    with torch.no_grad():
+        a, b, c = (m(input_ids=ids).logits.float() for m in models)
+    return (a - b).abs().max().item(), (c - b).abs().max().item()
+
+
+def _check_feature_matters(name, errors, min_effect):
+    """errors(broken) as _errors for a feature ``name``: the feature changes the logits, our error
+    is a small part of that change, and a stand-in that ignores the feature cannot meet it."""
+    err, effect = errors(False)
+    assert effect > min_effect, f"{name} barely changes these logits ({effect:.3g}): the check could not fail"
+    assert err <= 0.2 * effect, f"max |ours - eager| = {err:.3g} against {name}'s effect {effect:.3g}"
+    broken, _ = errors(True)
+    assert broken > 0.2 * effect, f"the {name}-ignoring stand-in passed ({broken:.3g} <= 0.2 x {effect:.3g})"
+
+
+def _gemma2_softcap_models():
+    """Gemma 2 with attention logits large enough for a softcap of 5 to change them (SCALE_QK):
+    ours, eager, eager without softcap, with the same weights."""
     torch.manual_seed(0)
     config = _config("gemma2")
     config.attn_logit_softcapping = 5.0
@@ -242,7 +268,6 @@ def _gemma2_softcap_errors(device, monkeypatch=None, broken=False):
         for layer in ours.model.layers:
             layer.self_attn.q_proj.weight.mul_(SCALE_QK)
             layer.self_attn.k_proj.weight.mul_(SCALE_QK)
-    ours = ours.to(device=device, dtype=torch.bfloat16).eval()
     # A config of its own: from_config sets the attention implementation on the config object,
     # which the models read at every forward.
     ref = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager")
@@ -251,26 +276,12 @@ def _gemma2_softcap_errors(device, monkeypatch=None, broken=False):
     nocap = transformers.AutoModelForCausalLM.from_config(config_nocap, attn_implementation="eager")
     for m in (ref, nocap):
         m.load_state_dict(ours.state_dict())
-    ref, nocap = (m.to(device=device, dtype=torch.bfloat16).eval() for m in (ref, nocap))
-    if broken:  # every forward goes through _ops._fwd_impl (transformers caches the functions)
-        from cutlass_flash import _ops
-
-        real = _ops._fwd_impl
-        monkeypatch.setattr(_ops, "_fwd_impl", lambda *a, **kw: real(*a, **{**kw, "softcap": 0.0}))
-    ids, _ = _batch(device, lengths=(24, 24))
-    with torch.no_grad():
-        a, b, c = (m(input_ids=ids).logits.float() for m in (ours, ref, nocap))
-    return (a - b).abs().max().item(), (c - b).abs().max().item()
+    return ours, ref, nocap
 
 
 def _check_gemma2_softcap(device, monkeypatch):
-    err, effect = _gemma2_softcap_errors(device)
-    assert effect > 0.25, f"softcap barely changes these logits ({effect:.3g}): the check could not fail"
-    # Our error must be a small part of the softcap's own effect on the logits ...
-    assert err <= 0.2 * effect, f"max |ours - eager| = {err:.3g} against softcap's effect {effect:.3g}"
-    # ... which a stand-in that ignores softcap cannot meet.
-    broken, _ = _gemma2_softcap_errors(device, monkeypatch, broken=True)
-    assert broken > 0.2 * effect, f"the softcap-ignoring stand-in passed ({broken:.3g} <= 0.2 x {effect:.3g})"
+    _check_feature_matters("softcap", lambda broken: _errors(device, _gemma2_softcap_models(), monkeypatch,
+                                                             {"softcap": 0.0} if broken else None), 0.25)
 
 
 def test_gemma2_softcap_is_checked_fake(fake_backend, monkeypatch):
@@ -288,15 +299,13 @@ def test_gemma2_softcap_is_checked(monkeypatch):
 SINK = 2.0  # every head's sink logit: e^2 against the ~e^0 of each of 24 keys takes a fifth of P
 
 
-def _gpt_oss_sink_errors(device, monkeypatch=None, broken=False):
-    """(max |ours - eager|, max |eager without sinks - eager|) of gpt-oss's logits with sinks set to
-    SINK. ``broken``: our functions with the sinks dropped (a stand-in that ignores them)."""
+def _gpt_oss_sink_models():
+    """gpt-oss with every sink at SINK: ours, eager, eager without sinks, with the same weights."""
     torch.manual_seed(0)
     ours = transformers.AutoModelForCausalLM.from_config(_config("gpt_oss"), attn_implementation=hf.NAME)
     with torch.no_grad():
         for layer in ours.model.layers:
             layer.self_attn.sinks.fill_(SINK)
-    ours = ours.to(device=device, dtype=torch.bfloat16).eval()
     ref = transformers.AutoModelForCausalLM.from_config(_config("gpt_oss"), attn_implementation="eager")
     nosink = transformers.AutoModelForCausalLM.from_config(_config("gpt_oss"), attn_implementation="eager")
     ref.load_state_dict(ours.state_dict())
@@ -304,24 +313,12 @@ def _gpt_oss_sink_errors(device, monkeypatch=None, broken=False):
     with torch.no_grad():
         for layer in nosink.model.layers:
             layer.self_attn.sinks.fill_(float("-inf"))  # e^-inf = 0: no sink
-    ref, nosink = (m.to(device=device, dtype=torch.bfloat16).eval() for m in (ref, nosink))
-    if broken:
-        from cutlass_flash import _ops
-
-        real = _ops._fwd_impl
-        monkeypatch.setattr(_ops, "_fwd_impl", lambda *a, **kw: real(*a, **{**kw, "sinks": None}))
-    ids, _ = _batch(device, lengths=(24, 24))
-    with torch.no_grad():
-        a, b, c = (m(input_ids=ids).logits.float() for m in (ours, ref, nosink))
-    return (a - b).abs().max().item(), (c - b).abs().max().item()
+    return ours, ref, nosink
 
 
 def _check_gpt_oss_sinks(device, monkeypatch):
-    err, effect = _gpt_oss_sink_errors(device)
-    assert effect > 0.1, f"the sinks barely change these logits ({effect:.3g}): the check could not fail"
-    assert err <= 0.2 * effect, f"max |ours - eager| = {err:.3g} against the sinks' effect {effect:.3g}"
-    broken, _ = _gpt_oss_sink_errors(device, monkeypatch, broken=True)
-    assert broken > 0.2 * effect, f"the sink-ignoring stand-in passed ({broken:.3g} <= 0.2 x {effect:.3g})"
+    _check_feature_matters("sinks", lambda broken: _errors(device, _gpt_oss_sink_models(), monkeypatch,
+                                                           {"sinks": None} if broken else None), 0.1)
 
 
 def test_gpt_oss_sinks_are_checked_fake(fake_backend, monkeypatch):
