@@ -20,7 +20,7 @@ except ImportError as _e:  # pragma: no cover - depends on the build
 
 ENV_FORCE_ARCH = "CUTLASS_FLASH_FORCE_ARCH"
 
-from ._catalog import FAMILIES, HEAD_DIMS, SOFTCAP_ALIBI, VARLEN  # noqa: E402
+from ._catalog import FAMILIES, HEAD_DIMS, VARLEN  # noqa: E402
 
 #: Kernel families: 80 = Ampere-style (FlashAttention-2, mma.sync; runs on sm80 and newer),
 #: 90 = Hopper (wgmma/TMA; runs on sm90 only). From the generator's catalogue (_catalog.py).
@@ -273,23 +273,6 @@ def resolve_arch(requested, direction, head_dim, dtype_name, device, varlen=Fals
     if (arch, direction, head_dim, dtype_name) not in built:
         raise _not_built(arch, direction, head_dim, dtype_name, requested)
     return arch
-
-
-def features_head_dim(arch, direction, head_dim, dtype_name, softcap, alibi_slopes):
-    """The head dim a call runs at in family ``arch``: ``head_dim`` (instantiated), or, for softcap
-    with ALiBi where that kernel has no path for the pair (the generator's SOFTCAP_ALIBI), the next
-    larger built head dim whose kernel has one, zero-padded as other head dims are: the sm90
-    backward at d = 64 (which recovers tanh's value from P, shifted by the bias) runs the pair at
-    d = 96, about 1.5x the work. Unchanged where no head dim takes it (every sm80 backward):
-    _validate.check_family_features then says so."""
-    if softcap > 0 and alibi_slopes is not None:
-        takers = SOFTCAP_ALIBI.get(arch, {}).get(direction, ())
-        if head_dim not in takers:
-            built = built_kernel_set()
-            for d in sorted(takers):
-                if d > head_dim and (arch, direction, d, dtype_name) in built:
-                    return d
-    return head_dim
 
 
 def reset_caches():

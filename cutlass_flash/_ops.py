@@ -1,13 +1,14 @@
 """The PyTorch operators (torch.library custom ops) and the public flash_attn_func.
 
-Ops (visible to torch.compile as single nodes, with fake and autograd implementations):
+One op per direction (visible to torch.compile as single nodes, with fake and autograd
+implementations), dense or packed by whether cu_seqlens are given:
 
   cutlass_flash::fwd(q, k, v, softmax_scale, window_left, window_right, arch, deterministic,
-                     softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None,
-                     sinks=None) -> (out, lse)
+                     softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None, sinks=None,
+                     cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
+                     seqused_q=None, seqused_k=None) -> (out, lse)
   cutlass_flash::bwd(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch,
-                     deterministic, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-                     rng_state=None, sinks=None) -> (dq, dk, dv, dsinks)
+                     deterministic, <the same optional arguments>) -> (dq, dk, dv, dsinks)
 
 q: (batch, seqlen_q, nheads, head_dim); k, v: (batch, seqlen_k, nheads_kv, head_dim); last dim
 contiguous. out: like q (contiguous); lse: float32 (batch, nheads, seqlen_q), natural log, +inf for
@@ -18,8 +19,14 @@ that of the capped scores. dropout_p > 0: P is dropped with that probability und
 rng_state (int64 (seed, offset) on q's device, cutlass_flash.dropout) draws, the same in both
 directions. sinks: None, or (nheads,) attention-sink logits (gpt-oss) that join every row's softmax
 denominator; dsinks is their gradient, float32 (an empty tensor without sinks). arch: kernel
-family, 0 = auto. deterministic: the backward accumulates dQ in a fixed
-order (the forward only carries it to its autograd context).
+family, 0 = auto. deterministic: the backward accumulates dQ in a fixed order (the forward only
+carries it to its autograd context).
+
+With cu_seqlens (int32, batch + 1), q, k, v, out, dout are packed (total, nheads, head_dim)
+tensors, sequence b the rows [cu_seqlens[b], cu_seqlens[b + 1]); max_seqlen_q / max_seqlen_k (the
+longest lengths) are then needed; lse is (nheads, total_q); seqused (int32, batch):
+FlashAttention-3's rows in use of each slot.
+
 Head dims that are not instantiated run on the next instantiated kernels: the families that take
 narrower tensors read them in place (NARROW_HEAD_DIM), the others get zero-padded copies here and
 the results are sliced back.
@@ -165,8 +172,7 @@ def _plan(direction, q, k, arch=0, softcap=0.0, alibi_slopes=None, varlen=None):
     padded = _dispatch.padded_head_dim(head_dim)
     dtype_name = _dispatch.DTYPE_NAMES[q.dtype]
     arch = _dispatch.resolve_arch(arch, direction, padded, dtype_name, q.device, varlen is not None)
-    padded = _dispatch.features_head_dim(arch, direction, padded, dtype_name, softcap, alibi_slopes)
-    _validate.check_family_features(arch, direction, padded, softcap, alibi_slopes)
+    padded = _validate.features_head_dim(arch, direction, padded, dtype_name, softcap, alibi_slopes)
     if direction == "bwd" and arch == 80:
         _validate.check_sm80_backward(varlen[2] if varlen is not None else q.shape[1], padded)
     return Plan(arch, padded, _head_pad(arch, direction, head_dim, padded), dtype_name)
@@ -227,7 +233,8 @@ def _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, determini
     _validate.check_op_tensors(q, k, v)
     batch, seqlen_q, nheads, head_dim = q.shape
     nseq = batch if varlen is None else varlen[0].shape[0] - 1
-    _validate.check_op_features(q, nseq, alibi_slopes, dropout_p, rng_state, varlen, sinks=sinks)
+    _validate.check_op_features(q, nseq, alibi_slopes, varlen, sinks=sinks)
+    dropout.check_rng_state(rng_state, dropout_p, q.device)
     sinks = _kernel_sinks(sinks)
     if _no_work(varlen):  # lse: +inf, or the sink (the only term of an empty row's softmax)
         lse = q.new_full(_lse_shape(q, varlen), float("inf"), dtype=torch.float32)
@@ -269,6 +276,72 @@ def _check_limits(q, k, varlen):
         _validate.check_limits(varlen[2], varlen[3], q.shape[2], varlen[0].shape[0] - 1, q.shape[1], k.shape[1])
 
 
+# The ops' optional arguments in their order after the required ones, with their defaults: the
+# score features, then a packed batch's. cu_seqlens given, q, k, v (and out, dout, the gradients)
+# are packed (total, nheads, head_dim) tensors whose sequence b is the rows [cu_seqlens[b],
+# cu_seqlens[b + 1]), max_seqlen_q / max_seqlen_k the longest sequences' lengths (needed: they
+# size the grid), seqused FlashAttention-3's rows in use of each slot; the LSE is then
+# (nheads, total_q).
+_OPTIONAL = {"softcap": 0.0, "alibi_slopes": None, "dropout_p": 0.0, "rng_state": None, "sinks": None,
+             "cu_seqlens_q": None, "cu_seqlens_k": None, "max_seqlen_q": 0, "max_seqlen_k": 0,
+             "seqused_q": None, "seqused_k": None}
+_PACKING = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "seqused_q", "seqused_k")
+_SINKS_INDEX = 8 + list(_OPTIONAL).index("sinks")  # in the forward op's inputs
+
+
+def _optional(passed):
+    """The optional arguments of an op call (positional, in _OPTIONAL's order) as a dict, those
+    not passed at their defaults."""
+    return dict(zip(_OPTIONAL, tuple(passed) + tuple(_OPTIONAL.values())[len(passed):]))
+
+
+def _packing(optional):
+    """Pops a packed batch's arguments from ``optional``: None for a dense batch, else
+    _fwd_impl's varlen tuple."""
+    cu_q, cu_k, max_q, max_k, used_q, used_k = (optional.pop(name, _OPTIONAL[name]) for name in _PACKING)
+    if cu_q is None and cu_k is None:
+        return None
+    return cu_q, cu_k, max_q, max_k, used_q, used_k
+
+
+def _views(varlen, *tensors):
+    """What _fwd_impl / _bwd_impl take: a packed batch's (total, nheads, head_dim) tensors as
+    (1, total, nheads, head_dim) views; a dense batch's as they are."""
+    if varlen is None:
+        return tensors
+    for t in tensors:
+        if t is not None and t.dim() != 3:
+            raise ValueError(f"with cu_seqlens, q, k, v, out and dout must be packed (total, nheads, head_dim) "
+                             f"tensors, got shape {tuple(t.shape)}")
+    return tuple(None if t is None else t.unsqueeze(0) for t in tensors)
+
+
+def _forward(q, k, v, softmax_scale, window_left, window_right, arch, deterministic=False, **optional):
+    """The forward op's implementation: (out, lse) of a dense or (cu_seqlens) packed batch."""
+    varlen = _packing(optional)
+    out, lse = _fwd_impl(*_views(varlen, q, k, v), softmax_scale, window_left, window_right, arch,
+                         varlen=varlen, **optional)
+    return (out, lse) if varlen is None else (out.squeeze(0), lse)
+
+
+def _backward(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch, deterministic,
+              dq=None, dk=None, dv=None, **optional):
+    """The backward op's implementation: (dq, dk, dv, dsinks), written into dq / dk / dv where
+    given (_bwd_impl)."""
+    varlen = _packing(optional)
+    grads = _bwd_impl(*_views(varlen, dout, q, k, v, out), lse, softmax_scale, window_left, window_right, arch,
+                      deterministic, *_views(varlen, dq, dk, dv), varlen=varlen, **optional)
+    if varlen is None:
+        return grads
+    return tuple(g.squeeze(0) if d is None else d for g, d in zip(grads[:3], (dq, dk, dv))) + grads[3:]
+
+
+def _lse_fake_shape(q, cu_seqlens_q, cu_seqlens_k):
+    if cu_seqlens_q is None and cu_seqlens_k is None:
+        return (q.shape[0], q.shape[2], q.shape[1])
+    return (q.shape[1], q.shape[0])
+
+
 @torch.library.custom_op("cutlass_flash::fwd", mutates_args=())
 def fwd_op(
     q: _Tensor,
@@ -284,18 +357,23 @@ def fwd_op(
     dropout_p: float = 0.0,
     rng_state: Optional[_Tensor] = None,
     sinks: Optional[_Tensor] = None,
+    cu_seqlens_q: Optional[_Tensor] = None,
+    cu_seqlens_k: Optional[_Tensor] = None,
+    max_seqlen_q: int = 0,
+    max_seqlen_k: int = 0,
+    seqused_q: Optional[_Tensor] = None,
+    seqused_k: Optional[_Tensor] = None,
 ) -> tuple[_Tensor, _Tensor]:
-    return _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, softcap=softcap,
-                     alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_state=rng_state, sinks=sinks)
+    return _forward(q, k, v, softmax_scale, window_left, window_right, arch, **_optional((
+        softcap, alibi_slopes, dropout_p, rng_state, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        seqused_q, seqused_k)))
 
 
 @fwd_op.register_fake
 def _fwd_fake(q, k, v, softmax_scale, window_left, window_right, arch, deterministic, softcap=0.0,
-              alibi_slopes=None, dropout_p=0.0, rng_state=None, sinks=None):
-    batch, seqlen_q, nheads, head_dim = q.shape
-    out = q.new_empty((batch, seqlen_q, nheads, head_dim))
-    lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
-    return out, lse
+              alibi_slopes=None, dropout_p=0.0, rng_state=None, sinks=None, cu_seqlens_q=None, cu_seqlens_k=None,
+              max_seqlen_q=0, max_seqlen_k=0, seqused_q=None, seqused_k=None):
+    return q.new_empty(q.shape), q.new_empty(_lse_fake_shape(q, cu_seqlens_q, cu_seqlens_k), dtype=torch.float32)
 
 
 def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch,
@@ -310,8 +388,8 @@ def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
     batch, seqlen_q, nheads, head_dim = q.shape
     _, seqlen_k, nheads_kv, _ = k.shape
     nseq = batch if varlen is None else varlen[0].shape[0] - 1
-    _validate.check_op_features(q, nseq, alibi_slopes, dropout_p, rng_state, varlen, lse, _lse_shape(q, varlen),
-                                sinks=sinks)
+    _validate.check_op_features(q, nseq, alibi_slopes, varlen, lse, _lse_shape(q, varlen), sinks=sinks)
+    dropout.check_rng_state(rng_state, dropout_p, q.device)
     sinks = _kernel_sinks(sinks)
     dests = (dq, dk, dv)
     if _no_work(varlen):  # out = 0: rowsum(dout * out) = 0, so dsinks = 0 too
@@ -377,6 +455,7 @@ def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
     return grads + (dsinks,)
 
 
+
 @torch.library.custom_op("cutlass_flash::bwd", mutates_args=())
 def bwd_op(
     dout: _Tensor,
@@ -395,65 +474,49 @@ def bwd_op(
     dropout_p: float = 0.0,
     rng_state: Optional[_Tensor] = None,
     sinks: Optional[_Tensor] = None,
+    cu_seqlens_q: Optional[_Tensor] = None,
+    cu_seqlens_k: Optional[_Tensor] = None,
+    max_seqlen_q: int = 0,
+    max_seqlen_k: int = 0,
+    seqused_q: Optional[_Tensor] = None,
+    seqused_k: Optional[_Tensor] = None,
 ) -> tuple[_Tensor, _Tensor, _Tensor, _Tensor]:
-    return _op_grads(_bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch,
-                               deterministic, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                               rng_state=rng_state, sinks=sinks), q)
-
-
-@bwd_op.register_fake
-def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch,
-              deterministic, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None, sinks=None):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), _dsinks_fake(q, sinks)
-
-
-def _op_grads(grads, q):
-    """_bwd_impl's (dq, dk, dv, dsinks) as the ops return them: an op's outputs are tensors, so
-    no sinks gives an empty dsinks."""
-    dq, dk, dv, dsinks = grads
+    dq, dk, dv, dsinks = _backward(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch,
+                                   deterministic, **_optional((softcap, alibi_slopes, dropout_p, rng_state, sinks,
+                                                               cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                               max_seqlen_k, seqused_q, seqused_k)))
+    # An op's outputs are tensors: no sinks gives an empty dsinks.
     return dq, dk, dv, q.new_empty(0, dtype=torch.float32) if dsinks is None else dsinks
 
 
-def _dsinks_fake(q, sinks):
-    return q.new_empty(0 if sinks is None else sinks.shape[0], dtype=torch.float32)
-
-
-# The feature arguments after the ops' required ones, and their defaults; the variable-length
-# ops take seqused before sinks (FlashAttention-3's seqused came first).
-_FEATURES = {"softcap": 0.0, "alibi_slopes": None, "dropout_p": 0.0, "rng_state": None, "sinks": None}
-_VARLEN_FEATURES = {"softcap": 0.0, "alibi_slopes": None, "dropout_p": 0.0, "rng_state": None, "seqused_q": None,
-                    "seqused_k": None, "sinks": None}
-
-
-def _features(passed, features=_FEATURES):
-    """The feature arguments of a call as a dict, the ones not passed at their defaults."""
-    return dict(zip(features, tuple(passed) + tuple(features.values())[len(passed):]))
-
-
-def _input_grads(ctx, dq, dk, dv, dsinks):
-    """The gradients of an op's inputs: q, k, v's, the sinks' (in their dtype) at their place."""
-    grads = [dq, dk, dv] + [None] * (ctx.num_inputs - 3)
-    sinks = ctx.features.get("sinks")
-    if sinks is not None:
-        grads[ctx.sinks_index] = dsinks.to(sinks.dtype)
-    return tuple(grads)
+@bwd_op.register_fake
+def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch, deterministic, softcap=0.0,
+              alibi_slopes=None, dropout_p=0.0, rng_state=None, sinks=None, cu_seqlens_q=None, cu_seqlens_k=None,
+              max_seqlen_q=0, max_seqlen_k=0, seqused_q=None, seqused_k=None):
+    dsinks = q.new_empty(0 if sinks is None else sinks.shape[0], dtype=torch.float32)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, softmax_scale, window_left, window_right, arch, deterministic, *rest = inputs
     out, lse = output
-    ctx.features = _features(rest)
+    ctx.optional = _optional(rest)  # the packed batch's too: the backward sees the same rows
     ctx.num_inputs = len(inputs)
-    ctx.sinks_index = 8 + list(_FEATURES).index("sinks")
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.softmax_scale = softmax_scale
-    ctx.window = (window_left, window_right)
-    ctx.arch = arch
-    ctx.deterministic = deterministic
+    ctx.args = (softmax_scale, window_left, window_right, arch, deterministic)
     # Gradients do not flow through the log-sum-exp (as in FlashAttention), and its (absent)
     # gradient is not materialized as zeros.
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)
+
+
+def _input_grads(ctx, dq, dk, dv, dsinks):
+    """The gradients of the forward's inputs: q, k, v's, the sinks' (in their dtype) at their place."""
+    grads = [dq, dk, dv] + [None] * (ctx.num_inputs - 3)
+    sinks = ctx.optional["sinks"]
+    if sinks is not None:
+        grads[_SINKS_INDEX] = dsinks.to(sinks.dtype)
+    return tuple(grads)
 
 
 def _backward_with(bwd):
@@ -465,9 +528,7 @@ def _backward_with(bwd):
         if dout is None:
             dout = torch.zeros_like(out)
         run = _bwd if torch.is_grad_enabled() else bwd
-        grads = run(dout, q, k, v, out, lse, ctx.softmax_scale, *ctx.window, ctx.arch, ctx.deterministic,
-                    **ctx.features)
-        return _input_grads(ctx, *grads)
+        return _input_grads(ctx, *run(dout, q, k, v, out, lse, *ctx.args, **ctx.optional))
 
     return backward
 
@@ -487,23 +548,19 @@ bwd_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, 
 
 
 class _EagerAttention(torch.autograd.Function):
-    """The ops' autograd, without the op dispatch: the eager path of flash_attn_func. The custom
-    op's Python dispatch cost 66 us more per call with grad (103 against 37 us, fake binding, CPU
-    machine; PERFLOG.md entry 17); torch.compile and other tracing still see the ops."""
+    """The ops' autograd, without the op dispatch: the eager path of the public functions. The
+    custom op's Python dispatch cost 66 us more per call with grad (103 against 37 us, fake
+    binding, CPU machine; PERFLOG.md entry 17); torch.compile and other tracing still see the
+    ops."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, window_left, window_right, arch, deterministic, softcap,
-                alibi_slopes, dropout_p, rng_state, sinks):
-        out, lse = _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, softcap=softcap,
-                             alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_state=rng_state, sinks=sinks)
-        _setup_context(
-            ctx, (q, k, v, softmax_scale, window_left, window_right, arch, deterministic, softcap,
-                  alibi_slopes, dropout_p, rng_state, sinks),
-            (out, lse),
-        )
+    def forward(ctx, q, k, v, softmax_scale, window_left, window_right, arch, deterministic, *optional):
+        out, lse = _forward(q, k, v, softmax_scale, window_left, window_right, arch, **_optional(optional))
+        _setup_context(ctx, (q, k, v, softmax_scale, window_left, window_right, arch, deterministic, *optional),
+                       (out, lse))
         return out, lse
 
-    backward = staticmethod(_backward_with(_bwd_impl))
+    backward = staticmethod(_backward_with(_backward))
 
 
 def _plain_eager(q, k, v):
@@ -532,11 +589,18 @@ def _autocast(q, k, v):
                  else t for t in (q, k, v))
 
 
-def _dropout_args(dropout_p, device):
-    """(dropout_p, rng_state) as the ops take them: a fresh (seed, offset) drawn from torch's
-    generator when dropout_p > 0 (cutlass_flash.dropout.new_rng_state)."""
-    dropout_p = float(dropout_p)
-    return (dropout_p, dropout.new_rng_state(device)) if dropout_p > 0 else (0.0, None)
+
+def _attention(args, return_lse):
+    """Runs the forward op's arguments ``args`` (positional): through the op when something traces
+    the call, else its implementation, under _EagerAttention when a gradient is needed."""
+    q, k, v = args[:3]
+    if not _plain_eager(q, k, v):
+        out, lse = _fwd(*args)
+    elif torch.is_grad_enabled() and _needs_grad(q, k, v, args[_SINKS_INDEX]):
+        out, lse = _EagerAttention.apply(*args)
+    else:
+        out, lse = _forward(*args[:8], **_optional(args[8:]))
+    return (out, lse) if return_lse else out
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -590,169 +654,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     """
     q, k, v = _autocast(q, k, v)
     scale, window_left, window_right = _validate.check_call(
-        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, sinks)
-    args = (q, k, v, scale, window_left, window_right, _dispatch.forced_arch(), deterministic,
-            float(softcap), alibi_slopes, *_dropout_args(dropout_p, q.device), sinks)
-    if not _plain_eager(q, k, v):
-        out, lse = _fwd(*args)
-    elif torch.is_grad_enabled() and _needs_grad(q, k, v, sinks):
-        out, lse = _EagerAttention.apply(*args)
-    else:  # the features by name: _fwd_impl's next positional parameter is varlen
-        out, lse = _fwd_impl(*args[:8], **_features(args[8:]))
-    if return_lse:
-        return out, lse
-    return out
-
-
-# -- Variable-length batches ------------------------------------------------------------------
-# The same implementations on (1, total, nheads, head_dim) views of the packed tensors; the ops
-# take and return the packed (total, nheads, head_dim) tensors and an LSE (nheads, total_q).
-
-
-@torch.library.custom_op("cutlass_flash::varlen_fwd", mutates_args=())
-def varlen_fwd_op(
-    q: _Tensor,
-    k: _Tensor,
-    v: _Tensor,
-    cu_seqlens_q: _Tensor,
-    cu_seqlens_k: _Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    softmax_scale: float,
-    window_left: int,
-    window_right: int,
-    arch: int,
-    deterministic: bool,
-    softcap: float = 0.0,
-    alibi_slopes: Optional[_Tensor] = None,
-    dropout_p: float = 0.0,
-    rng_state: Optional[_Tensor] = None,
-    seqused_q: Optional[_Tensor] = None,
-    seqused_k: Optional[_Tensor] = None,
-    sinks: Optional[_Tensor] = None,
-) -> tuple[_Tensor, _Tensor]:
-    return _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                            softmax_scale, window_left, window_right, arch, softcap=softcap,
-                            alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_state=rng_state,
-                            seqused_q=seqused_q, seqused_k=seqused_k, sinks=sinks)
-
-
-@varlen_fwd_op.register_fake
-def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                     window_left, window_right, arch, deterministic, softcap=0.0, alibi_slopes=None,
-                     dropout_p=0.0, rng_state=None, seqused_q=None, seqused_k=None, sinks=None):
-    total_q, nheads, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((nheads, total_q), dtype=torch.float32)
-
-
-@torch.library.custom_op("cutlass_flash::varlen_bwd", mutates_args=())
-def varlen_bwd_op(
-    dout: _Tensor,
-    q: _Tensor,
-    k: _Tensor,
-    v: _Tensor,
-    out: _Tensor,
-    lse: _Tensor,
-    cu_seqlens_q: _Tensor,
-    cu_seqlens_k: _Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    softmax_scale: float,
-    window_left: int,
-    window_right: int,
-    arch: int,
-    deterministic: bool,
-    softcap: float = 0.0,
-    alibi_slopes: Optional[_Tensor] = None,
-    dropout_p: float = 0.0,
-    rng_state: Optional[_Tensor] = None,
-    seqused_q: Optional[_Tensor] = None,
-    seqused_k: Optional[_Tensor] = None,
-    sinks: Optional[_Tensor] = None,
-) -> tuple[_Tensor, _Tensor, _Tensor, _Tensor]:
-    return _op_grads(_varlen_bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                      max_seqlen_k, softmax_scale, window_left, window_right, arch,
-                                      deterministic, softcap=softcap, alibi_slopes=alibi_slopes,
-                                      dropout_p=dropout_p, rng_state=rng_state, seqused_q=seqused_q,
-                                      seqused_k=seqused_k, sinks=sinks), q)
-
-
-def _varlen_bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                     softmax_scale, window_left, window_right, arch, deterministic, dq=None, dk=None,
-                     dv=None, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None,
-                     seqused_q=None, seqused_k=None, sinks=None):
-    def view(t):
-        return None if t is None else t.unsqueeze(0)
-
-    varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
-    grads = _bwd_impl(view(dout), view(q), view(k), view(v), view(out), lse, softmax_scale,
-                      window_left, window_right, arch, deterministic, view(dq), view(dk), view(dv),
-                      softcap=softcap, varlen=varlen, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                      rng_state=rng_state, sinks=sinks)
-    return tuple(g.squeeze(0) if d is None else d for g, d in zip(grads[:3], (dq, dk, dv))) + grads[3:]
-
-
-@varlen_bwd_op.register_fake
-def _varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                     softmax_scale, window_left, window_right, arch, deterministic, softcap=0.0,
-                     alibi_slopes=None, dropout_p=0.0, rng_state=None, seqused_q=None, seqused_k=None,
-                     sinks=None):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), _dsinks_fake(q, sinks)
-
-
-def _varlen_setup_context(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, max_q, max_k, scale, wl, wr, arch, deterministic, *rest = inputs
-    out, lse = output
-    ctx.num_inputs = len(inputs)
-    ctx.sinks_index = 12 + list(_VARLEN_FEATURES).index("sinks")
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-    ctx.scalars = (max_q, max_k, scale, wl, wr, arch, deterministic)
-    ctx.features = _features(rest, _VARLEN_FEATURES)  # seqused too: the backward sees the same rows
-    ctx.mark_non_differentiable(lse)
-    ctx.set_materialize_grads(False)
-
-
-def _varlen_backward_with(bwd):
-    """_backward_with's twin."""
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        if dout is None:
-            dout = torch.zeros_like(out)
-        run = _varlen_bwd if torch.is_grad_enabled() else bwd
-        return _input_grads(ctx, *run(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.scalars, **ctx.features))
-
-    return backward
-
-
-_varlen_fwd = torch.ops.cutlass_flash.varlen_fwd.default
-_varlen_bwd = torch.ops.cutlass_flash.varlen_bwd.default
-varlen_fwd_op.register_autograd(_varlen_backward_with(_varlen_bwd), setup_context=_varlen_setup_context)
-varlen_bwd_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
-
-
-class _EagerVarlenAttention(torch.autograd.Function):
-    """_EagerAttention's twin for variable-length batches."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, arch,
-                deterministic, softcap, alibi_slopes, dropout_p, rng_state, seqused_q, seqused_k, sinks):
-        inputs = (q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, arch,
-                  deterministic, softcap, alibi_slopes, dropout_p, rng_state, seqused_q, seqused_k, sinks)
-        out, lse = _varlen_fwd_impl(*inputs)
-        _varlen_setup_context(ctx, inputs, (out, lse))
-        return out, lse
-
-    backward = staticmethod(_varlen_backward_with(_varlen_bwd_impl))
-
-
-def _varlen_fwd_impl(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, arch,
-                     deterministic=False, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None,
-                     seqused_q=None, seqused_k=None, sinks=None):
-    out, lse = _fwd_impl(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), softmax_scale, window_left,
-                         window_right, arch, softcap=softcap,
-                         varlen=(cu_q, cu_k, max_q, max_k, seqused_q, seqused_k),
-                         alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_state=rng_state, sinks=sinks)
-    return out.squeeze(0), lse
+        q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, sinks)
+    dropout.check_p(dropout_p)
+    return _attention((q, k, v, scale, window_left, window_right, _dispatch.forced_arch(), deterministic,
+                       float(softcap), alibi_slopes, *dropout.call_args(dropout_p, q.device), sinks), return_lse)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -790,17 +695,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """
     q, k, v = _autocast(q, k, v)
     scale, window_left, window_right, max_seqlen_q, max_seqlen_k = _validate.check_varlen_call(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-        causal, window_size, softcap, alibi_slopes, deterministic, seqused_q, seqused_k, sinks)
-    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
-            window_right, _dispatch.forced_arch(), deterministic, float(softcap), alibi_slopes,
-            *_dropout_args(dropout_p, q.device), seqused_q, seqused_k, sinks)
-    if not _plain_eager(q, k, v):
-        out, lse = _varlen_fwd(*args)
-    elif torch.is_grad_enabled() and _needs_grad(q, k, v, sinks):
-        out, lse = _EagerVarlenAttention.apply(*args)
-    else:
-        out, lse = _varlen_fwd_impl(*args)
-    if return_lse:
-        return out, lse
-    return out
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size,
+        softcap, alibi_slopes, deterministic, seqused_q, seqused_k, sinks)
+    dropout.check_p(dropout_p)
+    return _attention((q, k, v, scale, window_left, window_right, _dispatch.forced_arch(), deterministic,
+                       float(softcap), alibi_slopes, *dropout.call_args(dropout_p, q.device), sinks, cu_seqlens_q,
+                       cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k), return_lse)

@@ -297,71 +297,56 @@ def check_sinks(sinks, nheads, device):
         raise ValueError(f"sinks must be on q's device {device}, got {sinks.device}")
 
 
-def check_family_features(arch, direction, head_dim, softcap, alibi_slopes):
-    """Feature combinations a family's kernels have no path for at (padded) head_dim (the
-    generator's SOFTCAP_ALIBI), after _dispatch.features_head_dim moved the call to a larger head
-    dim where one has it: softcap with ALiBi in the backwards that recover tanh's value from P,
-    which the bias shifts (every sm80 backward; the sm90 one at d = 64 runs the pair at d = 96)."""
-    if softcap > 0 and alibi_slopes is not None and head_dim not in SOFTCAP_ALIBI.get(arch, {}).get(direction, ()):
-        takers = sorted(a for a, dims in SOFTCAP_ALIBI.items() if any(d >= head_dim for d in dims.get(direction, ())))
-        where = f"the {', '.join(f'sm{a}' for a in takers)} family does" if takers else "no family does"
-        hint = "pass one of them, or run without gradients" if direction == "bwd" else "pass one of them"
-        raise NotImplementedError(
-            f"cutlass_flash: the sm{arch} {'backward' if direction == 'bwd' else 'forward'} at head_dim "
-            f"{head_dim} does not support softcap and alibi_slopes together ({where}); {hint}"
-        )
+def features_head_dim(arch, direction, head_dim, dtype_name, softcap, alibi_slopes):
+    """The head dim a call with these features runs at in family ``arch``: ``head_dim``
+    (instantiated), or, for softcap with ALiBi where that kernel has no path for the pair (the
+    generator's SOFTCAP_ALIBI), the next larger built head dim whose kernel has one, zero-padded as
+    other head dims are: the sm90 backward at d = 64 (which recovers tanh's value from P, shifted
+    by the bias) runs the pair at d = 96, about 1.5x the work. NotImplementedError where no built
+    head dim takes the pair (every sm80 backward)."""
+    if not (softcap > 0 and alibi_slopes is not None):
+        return head_dim
+    takers = SOFTCAP_ALIBI.get(arch, {}).get(direction, ())
+    if head_dim in takers:
+        return head_dim
+    built = _dispatch.built_kernel_set()
+    for d in sorted(takers):
+        if d > head_dim and (arch, direction, d, dtype_name) in built:
+            return d
+    families = sorted(a for a, dims in SOFTCAP_ALIBI.items() if any(d >= head_dim for d in dims.get(direction, ())))
+    where = f"the {', '.join(f'sm{a}' for a in families)} family does" if families else "no family does"
+    hint = "pass one of them, or run without gradients" if direction == "bwd" else "pass one of them"
+    raise NotImplementedError(
+        f"cutlass_flash: the sm{arch} {'backward' if direction == 'bwd' else 'forward'} at head_dim "
+        f"{head_dim} does not support softcap and alibi_slopes together ({where}); {hint}"
+    )
 
 
-def check_dropout_softcap(dropout_p, softcap):
-    """Validates dropout_p (a float in [0, 1)) and softcap (a finite float >= 0)."""
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        raise TypeError(f"dropout_p must be a float in [0, 1), got {type(dropout_p).__name__}")
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+def check_softcap(softcap):
+    """Validates softcap (a finite float >= 0)."""
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"softcap must be a float >= 0, got {type(softcap).__name__}")
     if not (softcap >= 0.0 and _finite(softcap)):
         raise ValueError(f"softcap must be a finite float >= 0 (0: off), got {softcap}")
 
 
-def check_rng_state(rng_state, dropout_p, device):
-    """The (seed, offset) a backward with dropout_p > 0 must be given: the forward's rng_state,
-    int64 of shape (2,) on q's device (ignored when dropout_p is 0)."""
-    if dropout_p == 0:
-        return
-    if rng_state is None:
-        raise ValueError("dropout_p > 0 needs the forward's rng_state (returned by the forward), got None")
-    if not isinstance(rng_state, torch.Tensor):
-        raise TypeError(f"rng_state must be a torch.Tensor, got {type(rng_state).__name__}")
-    if rng_state.dtype != torch.int64 or tuple(rng_state.shape) != (2,) or not rng_state.is_contiguous():
-        raise ValueError(
-            f"rng_state must be a contiguous int64 tensor of shape (2,) (seed, offset), got "
-            f"{rng_state.dtype} {tuple(rng_state.shape)}"
-        )
-    if rng_state.device != device:
-        raise ValueError(f"rng_state must be on q's device {device}, got {rng_state.device}")
-    if rng_state.data_ptr() % 16:
-        raise ValueError("rng_state must be 16-byte aligned (pass rng_state.clone())")
-
-
-def check_features(dropout_p, softcap, alibi_slopes, deterministic, batch, nheads, device):
-    """The feature arguments both call forms share: dropout_p, softcap, alibi_slopes (for `batch`
-    sequences of `nheads` heads on `device`), their combinations, deterministic."""
-    check_dropout_softcap(dropout_p, softcap)
+def check_features(softcap, alibi_slopes, deterministic, batch, nheads, device):
+    """The feature arguments both call forms share: softcap, alibi_slopes (for `batch` sequences
+    of `nheads` heads on `device`), deterministic."""
+    check_softcap(softcap)
     check_alibi(alibi_slopes, batch, nheads, device)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
 
 
-def check_call(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-               deterministic, sinks=None):
+def check_call(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, sinks=None):
     """The checks of a FlashAttention-2-style call (flash_attn_func and the low-level pair), in
     order: inputs, softmax_scale, mask, the features without a kernel path, deterministic.
     Returns (softmax_scale, window_left, window_right) as the kernels take them."""
     check_inputs(q, k, v)
     scale = check_softmax_scale(softmax_scale, q.shape[3])
     window_left, window_right = check_mask(causal, window_size, k.shape[1])
-    check_features(dropout_p, softcap, alibi_slopes, deterministic, q.shape[0], q.shape[2], q.device)
+    check_features(softcap, alibi_slopes, deterministic, q.shape[0], q.shape[2], q.device)
     check_sinks(sinks, q.shape[2], q.device)
     return scale, window_left, window_right
 
@@ -455,9 +440,9 @@ def check_cu_seqlens_content(name, cu, total, max_seqlen, used_name=None, used=N
                       stacklevel=4)
 
 
-def check_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                      softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                      seqused_q=None, seqused_k=None, sinks=None):
+def check_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                      window_size, softcap, alibi_slopes, deterministic, seqused_q=None, seqused_k=None,
+                      sinks=None):
     """The checks of flash_attn_varlen_func: q (total_q, nheads, head_dim), k and v (total_k,
     nheads_kv, head_dim), cu_seqlens int32 (batch + 1,), seqused None or int32 (batch,). Returns
     (softmax_scale, window_left, window_right, max_seqlen_q, max_seqlen_k) as the kernels take
@@ -477,8 +462,7 @@ def check_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     max_seqlen_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k)
     scale = check_softmax_scale(softmax_scale, q.shape[2])
     window_left, window_right = check_mask(causal, window_size, max(max_seqlen_k, 1))
-    check_features(dropout_p, softcap, alibi_slopes, deterministic, cu_seqlens_q.shape[0] - 1, q.shape[1],
-                   q.device)
+    check_features(softcap, alibi_slopes, deterministic, cu_seqlens_q.shape[0] - 1, q.shape[1], q.device)
     check_sinks(sinks, q.shape[1], q.device)
     if os.environ.get(CHECK_CU_SEQLENS_ENV, "0") not in ("", "0"):
         check_cu_seqlens_content("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "seqused_q", seqused_q)
@@ -622,17 +606,14 @@ def check_limits(seqlen_q, seqlen_k, nheads, batch=None, total_q=None, total_k=N
                          f"than the kernels' {MAX_TILES} tiles per launch")
 
 
-def check_op_features(q, batch, alibi_slopes, dropout_p, rng_state, varlen=None, lse=None, lse_shape=None,
-                      sinks=None):
+def check_op_features(q, batch, alibi_slopes, varlen=None, lse=None, lse_shape=None, sinks=None):
     """The ops' checks of their other tensor arguments (the public functions check them too, but
     an op may be called directly, and the kernels read these through raw pointers): alibi_slopes,
-    rng_state, the packed batch's cu_seqlens / seqused, the backward's lse. ``q``: the 4-D query
+    sinks, the packed batch's cu_seqlens / seqused, the backward's lse. ``q``: the 4-D query
     (a packed batch's (1, total, nheads, d) view); ``batch``: the number of sequences."""
     device = q.device
     if alibi_slopes is not None:
         check_alibi(alibi_slopes, batch, q.shape[2], device)
-    if dropout_p:
-        check_rng_state(rng_state, dropout_p, device)
     check_sinks(sinks, q.shape[2], device)
     if varlen is not None:
         cu_q, cu_k, _, _, used_q, used_k = varlen

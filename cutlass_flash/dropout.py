@@ -36,6 +36,41 @@ def new_rng_state(device):
     return torch.randint(0, 2**63 - 1, (2,), dtype=torch.int64, device=device)
 
 
+def check_p(dropout_p):
+    """TypeError / ValueError unless dropout_p is a float in [0, 1)."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p must be a float in [0, 1), got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+
+
+def call_args(dropout_p, device):
+    """(dropout_p, rng_state) as the ops take them: a fresh (seed, offset) (new_rng_state) when
+    dropout_p > 0."""
+    dropout_p = float(dropout_p)
+    return (dropout_p, new_rng_state(device)) if dropout_p > 0 else (0.0, None)
+
+
+def check_rng_state(rng_state, dropout_p, device):
+    """The (seed, offset) a backward with dropout_p > 0 must be given: the forward's rng_state,
+    int64 of shape (2,) on q's device, 16-byte aligned (ignored when dropout_p is 0)."""
+    if dropout_p == 0:
+        return
+    if rng_state is None:
+        raise ValueError("dropout_p > 0 needs the forward's rng_state (returned by the forward), got None")
+    if not isinstance(rng_state, torch.Tensor):
+        raise TypeError(f"rng_state must be a torch.Tensor, got {type(rng_state).__name__}")
+    if rng_state.dtype != torch.int64 or tuple(rng_state.shape) != (2,) or not rng_state.is_contiguous():
+        raise ValueError(
+            f"rng_state must be a contiguous int64 tensor of shape (2,) (seed, offset), got "
+            f"{rng_state.dtype} {tuple(rng_state.shape)}"
+        )
+    if rng_state.device != device:
+        raise ValueError(f"rng_state must be on q's device {device}, got {rng_state.device}")
+    if rng_state.data_ptr() % 16:
+        raise ValueError("rng_state must be 16-byte aligned (pass rng_state.clone())")
+
+
 def keep_threshold(dropout_p):
     """The byte value below which a score is kept, computed as the kernels do (float32)."""
     keep = np.float32(1.0) - np.float32(dropout_p)

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from . import _dispatch, _ops, _validate
+from . import _dispatch, _ops, _validate, dropout
 
 _Tensor = torch.Tensor
 
@@ -41,12 +41,12 @@ def _eager_flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_
     rebuilds the dropout mask); rng_state: int64 (seed, offset) of the dropout mask, for the
     backward (an empty tensor when dropout_p is 0). softmax_scale None: 1/sqrt(head_dim).
     """
-    scale, left, right = _validate.check_call(q, k, v, dropout_p, softmax_scale, causal,
-                                              (window_size_left, window_size_right), softcap,
-                                              alibi_slopes, False)
+    scale, left, right = _validate.check_call(q, k, v, softmax_scale, causal, (window_size_left, window_size_right),
+                                              softcap, alibi_slopes, False)
+    dropout.check_p(dropout_p)
     if return_softmax:
         raise NotImplementedError("cutlass_flash: return_softmax=True is not supported")
-    dropout_p, rng_state = _ops._dropout_args(dropout_p, q.device)
+    dropout_p, rng_state = dropout.call_args(dropout_p, q.device)
     out, lse = _ops._fwd_impl(q.detach(), k.detach(), v.detach(), scale, left, right,
                               _dispatch.forced_arch(), softcap=float(softcap), alibi_slopes=alibi_slopes,
                               dropout_p=dropout_p, rng_state=rng_state)
@@ -73,7 +73,8 @@ def _check_grad_buffer(name, buf, like):
 def _check_backward_args(q, k, v, dout, out, dq, dk, dv, dropout_p, rng_state):
     """What both backwards take beyond the forward's arguments: dout and out like q, the gradient
     buffers (or None), and the forward's rng_state when dropout_p > 0."""
-    _validate.check_rng_state(rng_state, dropout_p, q.device)
+    dropout.check_p(dropout_p)
+    dropout.check_rng_state(rng_state, dropout_p, q.device)
     for name, t in (("dout", dout), ("out", out)):
         if not isinstance(t, torch.Tensor) or t.shape != q.shape or t.dtype != q.dtype:
             raise ValueError(f"{name} must be a tensor like q ({tuple(q.shape)} {q.dtype})")
@@ -90,9 +91,8 @@ def _eager_flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, drop
     from _flash_attn_forward on these k, v: ring attention passes the merged ones). dropout_p > 0
     needs the forward's rng_state.
     """
-    scale, left, right = _validate.check_call(q, k, v, dropout_p, softmax_scale, causal,
-                                              (window_size_left, window_size_right), softcap,
-                                              alibi_slopes, deterministic)
+    scale, left, right = _validate.check_call(q, k, v, softmax_scale, causal, (window_size_left, window_size_right),
+                                              softcap, alibi_slopes, deterministic)
     _check_backward_args(q, k, v, dout, out, dq, dk, dv, dropout_p, rng_state)
     dq, dk, dv, _ = _ops._bwd_impl(dout.detach(), q.detach(), k.detach(), v.detach(), out.detach(),
                                    softmax_lse, scale, left, right, _dispatch.forced_arch(),
@@ -123,16 +123,17 @@ def _eager_flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_se
     seqused_k[b] rows of its slot (flash_attn_varlen_func's). zero_tensors is accepted and ignored
     (as in FlashAttention-2's kernels)."""
     scale, left, right, max_q, max_k = _validate.check_varlen_call(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-        causal, (window_size_left, window_size_right), softcap, alibi_slopes, False, seqused_k=seqused_k)
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+        (window_size_left, window_size_right), softcap, alibi_slopes, False, seqused_k=seqused_k)
+    dropout.check_p(dropout_p)
     _unsupported_varlen(block_table, leftpad_k)
     if return_softmax:
         raise NotImplementedError("cutlass_flash: return_softmax=True is not supported")
-    dropout_p, rng_state = _ops._dropout_args(dropout_p, q.device)
-    out, lse = _ops._varlen_fwd_impl(q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k,
-                                     max_q, max_k, scale, left, right, _dispatch.forced_arch(),
-                                     softcap=float(softcap), alibi_slopes=alibi_slopes,
-                                     dropout_p=dropout_p, rng_state=rng_state, seqused_k=seqused_k)
+    dropout_p, rng_state = dropout.call_args(dropout_p, q.device)
+    out, lse = _ops._forward(q.detach(), k.detach(), v.detach(), scale, left, right, _dispatch.forced_arch(),
+                             softcap=float(softcap), alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                             rng_state=rng_state, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                             max_seqlen_q=max_q, max_seqlen_k=max_k, seqused_k=seqused_k)
     return out, lse, q.new_empty((0,)), _rng_state_out(rng_state, q.device)
 
 
@@ -147,15 +148,14 @@ def _eager_flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, d
     seqused_k (not in FlashAttention-2's backward): the forward's, so that the gradients are of
     the keys it used (dk, dv 0 in the other rows of each slot)."""
     scale, left, right, max_q, max_k = _validate.check_varlen_call(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-        causal, (window_size_left, window_size_right), softcap, alibi_slopes, deterministic,
-        seqused_k=seqused_k)
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+        (window_size_left, window_size_right), softcap, alibi_slopes, deterministic, seqused_k=seqused_k)
     _check_backward_args(q, k, v, dout, out, dq, dk, dv, dropout_p, rng_state)
-    _ops._varlen_bwd_impl(dout.detach(), q.detach(), k.detach(), v.detach(), out.detach(),
-                          softmax_lse, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, left, right,
-                          _dispatch.forced_arch(), deterministic, dq, dk, dv, softcap=float(softcap),
-                          alibi_slopes=alibi_slopes, dropout_p=float(dropout_p),
-                          rng_state=rng_state if dropout_p > 0 else None, seqused_k=seqused_k)
+    _ops._backward(dout.detach(), q.detach(), k.detach(), v.detach(), out.detach(), softmax_lse, scale, left, right,
+                   _dispatch.forced_arch(), deterministic, dq, dk, dv, softcap=float(softcap),
+                   alibi_slopes=alibi_slopes, dropout_p=float(dropout_p),
+                   rng_state=rng_state if dropout_p > 0 else None, cu_seqlens_q=cu_seqlens_q,
+                   cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_q, max_seqlen_k=max_k, seqused_k=seqused_k)
     total_q, nheads, _ = q.shape
     batch = cu_seqlens_q.shape[0] - 1
     rows = torch.arange(total_q, device=q.device)

@@ -104,8 +104,7 @@ def _deterministic():
 def _forward(q, k, v, a, out, varlen=None, alibi_slopes=None):
     """(out, lse, rng_state) of our forward on BSHD views (a packed batch: (1, total, H, D) with
     varlen as _ops._fwd_impl takes it), written into `out` (shaped like q)."""
-    dropout_p = float(a["dropout_p"])
-    rng_state = dropout.new_rng_state(q.device) if dropout_p > 0 else None
+    dropout_p, rng_state = dropout.call_args(a["dropout_p"], q.device)
     seqlen_k = k.shape[1] if varlen is None else varlen[3]
     left, right = _window(a, seqlen_k)
     out, lse = _ops._fwd_impl(q, k, v, _scale(a, q.shape[-1]), left, right, _dispatch.forced_arch(),

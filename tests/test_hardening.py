@@ -152,14 +152,21 @@ def test_row04_ops_check_their_tensor_arguments(device):
             fwd(q, k, v, 0.125, -1, -1, 0, False, 0.0, None, 0.1, torch.zeros(2, dtype=torch.int64, device=other))
     qp, kp, vp = (t.reshape(32, 4, 64) for t in (q, k, v))
     cu = torch.tensor([0, 16, 32], dtype=torch.int32, device=device)
-    vf = torch.ops.cutlass_flash.varlen_fwd
+    def vf(cu_q, cu_k, **kw):
+        return fwd(qp, kp, vp, 0.125, -1, -1, 0, False, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=16,
+                   max_seqlen_k=16, **kw)
+
     if other:
         with pytest.raises(ValueError, match="cu_seqlens_q must be on"):
-            vf(qp, kp, vp, cu.to(other), cu, 16, 16, 0.125, -1, -1, 0, False)
+            vf(cu.to(other), cu)
     with pytest.raises(TypeError, match="cu_seqlens_k must be int32"):
-        vf(qp, kp, vp, cu, cu.long(), 16, 16, 0.125, -1, -1, 0, False)
+        vf(cu, cu.long())
+    with pytest.raises(TypeError, match="cu_seqlens_k must be an int32 tensor"):
+        vf(cu, None)
     with pytest.raises(ValueError, match="seqused_k must have shape"):
-        vf(qp, kp, vp, cu, cu, 16, 16, 0.125, -1, -1, 0, False, seqused_k=cu)
+        vf(cu, cu, seqused_k=cu)
+    with pytest.raises(ValueError, match="with cu_seqlens, q, k, v, out and dout must be packed"):
+        fwd(q, k, v, 0.125, -1, -1, 0, False, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=16, max_seqlen_k=16)
     out, lse = fwd(q, k, v, 0.125, -1, -1, 0, False)
     with pytest.raises(ValueError, match="softmax_lse must be float32"):
         torch.ops.cutlass_flash.bwd(q, q, k, v, out, lse[:, :2], 0.125, -1, -1, 0, False)
@@ -326,8 +333,9 @@ def test_row08_opcheck_lowlevel_and_varlen_ops(device):
     torch.library.opcheck(ops._flash_attn_varlen_backward,
                           (qp, qp, kp, vp, o, l, *vgrads, cu, cu, 21, 21, 0.0, 0.125, True))
     leaves = [t.clone().requires_grad_() for t in (qp, kp, vp)]
-    torch.library.opcheck(ops.varlen_fwd, (*leaves, cu, cu, 21, 21, 0.125, -1, 0, 0, False))
-    torch.library.opcheck(ops.varlen_bwd, (qp, qp, kp, vp, o, l, cu, cu, 21, 21, 0.125, -1, 0, 0, False))
+    packing = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=21, max_seqlen_k=21)
+    torch.library.opcheck(ops.fwd, (*leaves, 0.125, -1, 0, 0, False), packing)
+    torch.library.opcheck(ops.bwd, (qp, qp, kp, vp, o, l, 0.125, -1, 0, 0, False), packing)
 
 
 # -- Row 9: force_arch is per thread -------------------------------------------------------------

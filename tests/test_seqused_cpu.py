@@ -125,9 +125,9 @@ def test_seqused_op_and_autograd(fake_backend):
         fake_backend.calls.clear()
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         if path == "op":
-            out, lse = torch.ops.cutlass_flash.varlen_fwd(
-                *leaves, _cu(SLOTS_Q), _cu(SLOTS_K), max(USED_Q), max(USED_K), scale, -1, 0, 0, False,
-                seqused_q=used_q, seqused_k=used_k)
+            out, lse = torch.ops.cutlass_flash.fwd(
+                *leaves, scale, -1, 0, 0, False, cu_seqlens_q=_cu(SLOTS_Q), cu_seqlens_k=_cu(SLOTS_K),
+                max_seqlen_q=max(USED_Q), max_seqlen_k=max(USED_K), seqused_q=used_q, seqused_k=used_k)
         else:
             out, lse = _call(*leaves, causal=True, return_lse=True, seqused_q=used_q, seqused_k=used_k)
         ours = (out, lse) + torch.autograd.grad(out, leaves, dout)
@@ -158,7 +158,7 @@ def test_seqused_under_make_fx(fake_backend):
 
     args = (q, k, v, _cu(SLOTS_Q), _cu(SLOTS_K), _i32(USED_Q), _i32(USED_K))
     gm = make_fx(f, tracing_mode="fake")(*args)
-    node = next(n for n in gm.graph.nodes if "varlen_fwd" in str(n.target))
+    node = next(n for n in gm.graph.nodes if "cutlass_flash.fwd" in str(n.target))
     names = {n.name for n in node.all_input_nodes}
     assert {"used_q_1", "used_k_1"} <= names, names
     out, lse = gm(*args)

@@ -171,7 +171,7 @@ def test_bad_arguments_raise_before_the_op(fake_backend, case):
 def test_softcap_with_alibi(fake_backend):
     """softcap with ALiBi (the generator's SOFTCAP_ALIBI): both forwards run the pair at every
     head dim; the sm90 backward from d = 96 (its 64-query steps hold tanh's derivative), and at
-    d = 64 zero-padded to d = 96 (_dispatch.features_head_dim); the sm80 backward refuses it,
+    d = 64 zero-padded to d = 96 (_validate.features_head_dim); the sm80 backward refuses it,
     naming it and the family that takes it, before any kernel runs."""
     slopes = torch.full((4,), 0.25)
     for arch, d, runs_at in ((90, 64, 96), (90, 128, 128), (80, 64, None), (80, 128, None)):
