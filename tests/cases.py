@@ -122,20 +122,22 @@ def head_dims():
 
 
 def missing_kernels(case, device=None):
-    """[(direction, why)] for the calls of a case this build cannot run, as the dispatch itself
-    decides (_dispatch.resolve_arch: its rules are not copied here); device: the GPU by default
-    (the fake binding's tests pass theirs)."""
+    """[(direction, why)] for the calls of a case this build cannot run, as cutlass_flash.plan
+    answers for the case's family and shapes (the dispatch's rules are not copied here); device:
+    the GPU by default (the fake binding's tests pass theirs)."""
     import cutlass_flash
-    from cutlass_flash import _dispatch
 
     device = torch.device("cuda") if device is None else torch.device(device)
-    hd = cutlass_flash.padded_head_dim(case.head_dim)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[case.dtype]
+    q = torch.empty((1, 1, case.nheads, case.head_dim), dtype=dtype, device=device)
+    k = torch.empty((1, 1, case.nheads_kv, case.head_dim), dtype=dtype, device=device)
     missing = []
-    for direction in ("fwd", "bwd"):
-        try:
-            _dispatch.resolve_arch(case.arch, direction, hd, case.dtype, device)
-        except NotImplementedError as e:
-            missing.append((direction, str(e)))
+    with cutlass_flash.force_arch(case.arch):
+        for direction in ("fwd", "bwd"):
+            try:
+                cutlass_flash.plan(q, k, direction)
+            except NotImplementedError as e:
+                missing.append((direction, str(e)))
     return missing
 
 

@@ -6,7 +6,7 @@ from cases import Case
 def test_missing_kernels_asks_the_dispatch(fake_backend):
     """A case with arch 0 (the dispatch picks the family) needs the kernel in some family this
     GPU runs; looking for an (0, ...) kernel skipped every such GPU test. The answer is the
-    dispatch's own (resolve_arch), not a copy of its rules."""
+    dispatch's own (cutlass_flash.plan), not a copy of its rules."""
     fake_backend.set_built([(80, "fwd", 64, "bf16"), (80, "bwd", 64, "bf16"), (90, "fwd", 128, "bf16")])
 
     def missing(head_dim, dtype, arch):
