@@ -137,22 +137,26 @@ def _kernel_query(q, softmax_scale):
 
 class Plan(NamedTuple):
     """What a call runs (plan()): the kernel family, the head dim of its kernels, the zero columns
-    appended to q, k, v for them (0: read in place), and the dtype's name."""
+    appended to q and k for them (0: read in place), the dtype's name, and the zero columns
+    appended to v (pad again, unless v's head dim differs from q's: the kernels run at the larger
+    of the two, the other zero-padded)."""
     arch: int
     head_dim: int
     pad: int
     dtype: str
+    pad_v: int
 
 
-def plan(q, k, direction="fwd", *, softcap=0.0, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
+def plan(q, k, direction="fwd", *, v=None, softcap=0.0, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
          max_seqlen_q=None, max_seqlen_k=None):
     """The kernels a call of flash_attn_func (or, with cu_seqlens, flash_attn_varlen_func) on q, k
     runs for ``direction`` ("fwd" or "bwd"), as a Plan, or the error that call would raise: the
     family (cutlass_flash.force_arch's or automatic), the head dim of its kernels (the next
     instantiated one; softcap with ALiBi may move it up), the zero columns added to q, k, v for
-    them, and every check that depends on these. Nothing runs on the GPU.
+    them, and every check that depends on these. Nothing runs on the GPU. v: where its head dim
+    differs from q's (None: the same).
 
-        cutlass_flash.plan(q, k)                   # Plan(arch=90, head_dim=128, pad=0, dtype='bf16')
+        cutlass_flash.plan(q, k)          # Plan(arch=90, head_dim=128, pad=0, dtype='bf16', pad_v=0)
         cutlass_flash.plan(q, k, "bwd", softcap=30.0, alibi_slopes=slopes)  # or NotImplementedError
     """
     if direction not in ("fwd", "bwd"):
@@ -161,13 +165,17 @@ def plan(q, k, direction="fwd", *, softcap=0.0, alibi_slopes=None, cu_seqlens_q=
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         q, k = q.unsqueeze(0), k.unsqueeze(0)
         varlen = (cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), None, None)
-    return _plan(direction, q, k, _dispatch.forced_arch(), softcap, alibi_slopes, varlen)
+    head_dim_v = q.shape[-1] if v is None else v.shape[-1]
+    return _plan(direction, q, k, _dispatch.forced_arch(), softcap, alibi_slopes, varlen, head_dim_v)
 
 
-def _plan(direction, q, k, arch=0, softcap=0.0, alibi_slopes=None, varlen=None):
+def _plan(direction, q, k, arch=0, softcap=0.0, alibi_slopes=None, varlen=None, head_dim_v=None):
     """plan() on the ops' arguments: q (batch, seqlen_q, nheads, head_dim), a packed batch's
-    (1, total_q, ...) view with ``varlen`` as _fwd_impl takes it; ``arch`` 0: automatic."""
-    head_dim = q.shape[3]
+    (1, total_q, ...) view with ``varlen`` as _fwd_impl takes it; ``arch`` 0: automatic;
+    head_dim_v: v's (None: q's)."""
+    head_dim_qk = q.shape[3]
+    head_dim_v = head_dim_qk if head_dim_v is None else head_dim_v
+    head_dim = max(head_dim_qk, head_dim_v)
     _check_limits(q, k, varlen)
     padded = _dispatch.padded_head_dim(head_dim)
     dtype_name = _dispatch.DTYPE_NAMES[q.dtype]
@@ -175,7 +183,8 @@ def _plan(direction, q, k, arch=0, softcap=0.0, alibi_slopes=None, varlen=None):
     padded = _validate.features_head_dim(arch, direction, padded, dtype_name, softcap, alibi_slopes)
     if direction == "bwd" and arch == 80:
         _validate.check_sm80_backward(varlen[2] if varlen is not None else q.shape[1], padded)
-    return Plan(arch, padded, _head_pad(arch, direction, head_dim, padded), dtype_name)
+    cols = head_dim + _head_pad(arch, direction, head_dim, padded)  # what the kernels read of q, k, v
+    return Plan(arch, padded, cols - head_dim_qk, dtype_name, cols - head_dim_v)
 
 
 def _output_buffer(dest, shape, pad, like):
@@ -229,9 +238,11 @@ def _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, determini
               varlen=None, alibi_slopes=None, dropout_p=0.0, rng_state=None, sinks=None, out=None):
     """The forward; varlen: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
     seqused_k) with q, k, v the (1, total, nheads, head_dim) views of packed tensors. out: a
-    buffer shaped like q to write the output into (else a new tensor), as _bwd_impl's dq."""
+    buffer shaped like the output (q's, with v's head dim) to write it into (else a new tensor),
+    as _bwd_impl's dq."""
     _validate.check_op_tensors(q, k, v)
-    batch, seqlen_q, nheads, head_dim = q.shape
+    batch, seqlen_q, nheads, _ = q.shape
+    head_dim_v = v.shape[3]
     nseq = batch if varlen is None else varlen[0].shape[0] - 1
     _validate.check_op_features(q, nseq, alibi_slopes, varlen, sinks=sinks)
     dropout.check_rng_state(rng_state, dropout_p, q.device)
@@ -240,13 +251,13 @@ def _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, determini
         lse = q.new_full(_lse_shape(q, varlen), float("inf"), dtype=torch.float32)
         if sinks is not None:
             lse.copy_(sinks[:, None].expand_as(lse))
-        return (torch.zeros_like(q) if out is None else out.zero_()), lse
-    arch, padded, pad, dtype_name = _plan("fwd", q, k, arch, softcap, alibi_slopes, varlen)
+        return (q.new_zeros((batch, seqlen_q, nheads, head_dim_v)) if out is None else out.zero_()), lse
+    arch, padded, pad, dtype_name, pad_v = _plan("fwd", q, k, arch, softcap, alibi_slopes, varlen, head_dim_v)
     device = q.device
     C = _dispatch.lib()
-    q, k, v = _kernel_input(q, pad), _kernel_input(k, pad), _kernel_input(v, pad)
+    q, k, v = _kernel_input(q, pad), _kernel_input(k, pad), _kernel_input(v, pad_v)
     q, softmax_scale = _kernel_query(q, softmax_scale)
-    dest, out = out, _output_buffer(out, (batch, seqlen_q, nheads, head_dim + pad), pad, q)
+    dest, out = out, _output_buffer(out, (batch, seqlen_q, nheads, head_dim_v + pad_v), pad_v, q)
     lse = torch.empty(_lse_shape(q, varlen), dtype=torch.float32, device=device)
     for (qs, ks, vs, os_, lses), slopes, rng in _launches(varlen, alibi_slopes, rng_state, q, k, v, out, lse):
         problem = _problem(qs, ks, padded, softmax_scale, window_left, window_right, dtype_name, softcap,
@@ -266,7 +277,7 @@ def _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, determini
             arch=arch,
             stream=_dispatch.current_stream(device),
         )
-    return _deliver(out, dest, head_dim, pad), lse
+    return _deliver(out, dest, head_dim_v, pad_v), lse
 
 
 def _check_limits(q, k, varlen):
@@ -373,7 +384,8 @@ def fwd_op(
 def _fwd_fake(q, k, v, softmax_scale, window_left, window_right, arch, deterministic, softcap=0.0,
               alibi_slopes=None, dropout_p=0.0, rng_state=None, sinks=None, cu_seqlens_q=None, cu_seqlens_k=None,
               max_seqlen_q=0, max_seqlen_k=0, seqused_q=None, seqused_k=None):
-    return q.new_empty(q.shape), q.new_empty(_lse_fake_shape(q, cu_seqlens_q, cu_seqlens_k), dtype=torch.float32)
+    out = q.new_empty(q.shape[:-1] + v.shape[-1:])
+    return out, q.new_empty(_lse_fake_shape(q, cu_seqlens_q, cu_seqlens_k), dtype=torch.float32)
 
 
 def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch,
@@ -384,9 +396,10 @@ def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
     buffer the kernels cannot write in place (a padded head dim, a layout they do not take) is
     filled by a copy. varlen: as for _fwd_impl. dout comes from autograd in any layout (stride 0
     after a sum or mean over rows): _kernel_input copies what the kernels cannot read."""
-    _validate.check_op_tensors(q, k, v, ("out", out, q.shape), ("dout", dout, q.shape))
+    out_shape = q.shape[:3] + v.shape[3:]
+    _validate.check_op_tensors(q, k, v, ("out", out, out_shape), ("dout", dout, out_shape))
     batch, seqlen_q, nheads, head_dim = q.shape
-    _, seqlen_k, nheads_kv, _ = k.shape
+    _, seqlen_k, nheads_kv, head_dim_v = v.shape
     nseq = batch if varlen is None else varlen[0].shape[0] - 1
     _validate.check_op_features(q, nseq, alibi_slopes, varlen, lse, _lse_shape(q, varlen), sinks=sinks)
     dropout.check_rng_state(rng_state, dropout_p, q.device)
@@ -399,17 +412,18 @@ def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
                 dest.zero_()
         dsinks = None if sinks is None else torch.zeros_like(sinks)
         return tuple(grad if dest is None else dest for grad, dest in zip(grads, dests)) + (dsinks,)
-    arch, padded, pad, dtype_name = _plan("bwd", q, k, arch, softcap, alibi_slopes, varlen)
+    arch, padded, pad, dtype_name, pad_v = _plan("bwd", q, k, arch, softcap, alibi_slopes, varlen, head_dim_v)
     device = q.device
     C = _dispatch.lib()
-    q, k, v, out, dout = (_kernel_input(t, pad) for t in (q, k, v, out, dout))
+    q, k = _kernel_input(q, pad), _kernel_input(k, pad)
+    v, out, dout = (_kernel_input(t, pad_v) for t in (v, out, dout))
     q, kernel_scale = _kernel_query(q, softmax_scale)
     lse = lse.contiguous()
 
     cols = head_dim + pad
     dq = _output_buffer(dq, (batch, seqlen_q, nheads, cols), pad, q)
     dk = _output_buffer(dk, (batch, seqlen_k, nheads_kv, cols), pad, q)
-    dv = _output_buffer(dv, (batch, seqlen_k, nheads_kv, cols), pad, q)
+    dv = _output_buffer(dv, (batch, seqlen_k, nheads_kv, cols), pad_v, q)
     # Each query row's share of dsinks (BwdParams::dsink_rows), summed below in a fixed order. The
     # kernels write every row of a dense batch; a packed one's rows of no sequence stay 0.
     dsink_rows = None
@@ -447,7 +461,8 @@ def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
         dq.neg_()
     elif softmax_scale == 0:
         dq.zero_()
-    grads = tuple(_deliver(g, dest, head_dim, pad) for g, dest in zip((dq, dk, dv), dests))
+    grads = (_deliver(dq, dests[0], head_dim, pad), _deliver(dk, dests[1], head_dim, pad),
+             _deliver(dv, dests[2], head_dim_v, pad_v))
     # lse / dsink_rows: (batch, nheads, seqlen_q), or (nheads, total_q) for a packed batch.
     dsinks = None
     if dsink_rows is not None:
@@ -613,7 +628,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     Args:
         q: (batch, seqlen_q, nheads, head_dim) float16 or bfloat16 CUDA tensor.
         k, v: (batch, seqlen_k, nheads_kv, head_dim), same dtype and device; nheads must be a
-            multiple of nheads_kv (MHA, GQA, MQA). head_dim: 1 to 256. Any layout: one the kernels
+            multiple of nheads_kv (MHA, GQA, MQA). head_dim: 1 to 256. v may have a head dim of its
+            own (DeepSeek's MLA: 192 for q and k, 128 for v); out then has v's. The kernels run at
+            the larger of the two, the other side zero-padded (no kernel of their own yet). Any layout: one the kernels
             cannot read as it is (a broadcast stride 0, a non-contiguous last dim, rows not
             16-byte aligned) is copied first. fp32 inputs under torch.autocast take its dtype.
         dropout_p: probability of dropping each attention probability (FlashAttention's

@@ -83,14 +83,15 @@ def check_inputs(q, k, v):
 def _inputs_fast(q, k, v):
     if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor):
         return False
-    if q.dim() != 4 or k.dim() != 4:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return False
     B, Sq, H, D = q.shape
     Bk, Sk, Hk, Dk = k.shape
     dt = q.dtype
     dev = q.device
     return (
-        v.shape == k.shape
+        v.shape[:3] == k.shape[:3]
+        and 1 <= v.shape[3] <= _dispatch.MAX_HEAD_DIM
         and (dt is torch.float16 or dt is torch.bfloat16)
         and k.dtype is dt
         and v.dtype is dt
@@ -132,10 +133,13 @@ def _check_inputs_detailed(q, k, v, compiling):
 
     batch, seqlen_q, nheads, head_dim = q.shape
     batch_k, seqlen_k, nheads_kv, head_dim_k = k.shape
-    if v.shape != k.shape:
+    if v.shape[:3] != k.shape[:3]:
         raise ValueError(
-            f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}"
+            f"k and v must have the same (batch, seqlen, nheads), got k {tuple(k.shape)} and v {tuple(v.shape)}"
         )
+    if not 1 <= v.shape[3] <= _dispatch.MAX_HEAD_DIM:
+        raise ValueError(f"v's head_dim (last dim) must be between 1 and {_dispatch.MAX_HEAD_DIM}, got "
+                         f"{v.shape[3]}")
     if batch_k != batch:
         raise ValueError(
             f"k and v must have q's batch size: q {tuple(q.shape)} has batch {batch}, "
@@ -488,11 +492,12 @@ def check_op_tensors(q, k, v, *others):
     shapes, dtypes and devices the binding cannot see (the layout it assumes, _ops makes by a copy
     where needed). ``others``: (name, tensor, shape) triples of further inputs like q. Runs inside
     the ops, on real tensors."""
-    if q.dim() == 4 and k.dim() == 4:
+    if q.dim() == 4 and k.dim() == 4 and v.dim() == 4:
         qs, ks = q.shape, k.shape
         dt, dev = q.dtype, q.device
         if (
-            v.shape == ks
+            v.shape[:3] == ks[:3]
+            and 1 <= v.shape[3] <= _dispatch.MAX_HEAD_DIM
             and ks[0] == qs[0]
             and ks[3] == qs[3]
             and ks[2] >= 1
@@ -514,7 +519,9 @@ def _check_op_tensors_detailed(q, k, v, others):
     if (
         q.dim() != 4
         or k.dim() != 4
-        or v.shape != k.shape
+        or v.dim() != 4
+        or v.shape[:3] != k.shape[:3]
+        or not 1 <= v.shape[3] <= _dispatch.MAX_HEAD_DIM
         or k.shape[0] != q.shape[0]
         or k.shape[3] != q.shape[3]
         or k.shape[2] < 1

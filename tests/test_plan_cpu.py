@@ -19,7 +19,7 @@ def _qk(head_dim, seqlen=32, nheads=4, nheads_kv=2):
 def test_plan_matches_what_the_call_runs(fake_backend):
     q, k = _qk(128)
     p = cutlass_flash.plan(q, k)
-    assert p == cutlass_flash.Plan(90, 128, 0, "bf16")
+    assert p == cutlass_flash.Plan(90, 128, 0, "bf16", 0)
     cutlass_flash.flash_attn_func(q, k, k)
     direction, arch, problem = fake_backend.calls[-1]
     assert (direction, arch, problem["head_dim"]) == ("fwd", p.arch, p.head_dim)
@@ -41,6 +41,7 @@ def test_plan_head_dims_between_instantiations(fake_backend, head_dim):
         assert p.head_dim == cutlass_flash.padded_head_dim(head_dim)
         narrow = direction in _catalog.NARROW_HEAD_DIM.get(p.arch, ())
         assert p.pad == (-head_dim % 8 if narrow else p.head_dim - head_dim)
+        assert p.pad_v == p.pad
 
 
 def test_plan_softcap_with_alibi(fake_backend):

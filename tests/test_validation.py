@@ -50,7 +50,7 @@ BAD_INPUTS = {
     "v-dtype-mismatch": (lambda: _replace(qkv(dtype=BF16), "v", T(2, 24, 2, 64)), TypeError,
                          r"same dtype.*v is torch\.float16"),
     "kv-shape-mismatch": (lambda: _replace(qkv(), "v", T(2, 25, 2, 64)), ValueError,
-                          r"k and v must have the same shape"),
+                          r"k and v must have the same \(batch, seqlen, nheads\)"),
     "batch-mismatch": (lambda: (T(3, 16, 4, 64),) + qkv()[1:], ValueError, r"batch"),
     "head-dim-mismatch": (lambda: (T(2, 16, 4, 128),) + qkv()[1:], ValueError, r"head_dim"),
     "head-dim-too-large": (lambda: qkv(d=264), ValueError, r"between 1 and 256, got 264"),

@@ -1,0 +1,139 @@
+"""A head dim for V other than Q and K's (DeepSeek's MLA trains with 192 for Q.K and 128 for V):
+the kernels run at the larger of the two (plan()'s head_dim) with the narrower side zero-padded,
+and out / dv come back at V's head dim. By the accuracy rule on out, lse, dq, dk, dv against the
+float64 reference, dense and packed, both families; on CPU the fake binding (the padding and the
+slicing), on the GPU the kernels."""
+
+import pytest
+import torch
+
+import cutlass_flash
+from attn_ref import assert_within_tolerance, reference_outputs, slack
+from cases import Case, kernel_archs
+from gpu_check import skip_if_not_built
+
+NAMES = ("out", "lse", "dq", "dk", "dv")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+PAIRS = [(192, 128), (64, 128), (128, 72)]  # (head dim of Q and K, of V)
+
+
+def _randn(g, shape, dtype, device, grad=True):
+    t = torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+    return t.requires_grad_() if grad else t
+
+
+def _inputs(rows_q, rows_k, nheads, nheads_kv, dqk, dv, dtype, device, lead=(), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (_randn(g, (*lead, rows_q, nheads, dqk), dtype, device), _randn(g, (*lead, rows_k, nheads_kv, dqk), dtype,
+                                                                          device),
+            _randn(g, (*lead, rows_k, nheads_kv, dv), dtype, device),
+            _randn(g, (*lead, rows_q, nheads, dv), dtype, device, grad=False))
+
+
+def _check(ours, same, ref, rows_per_key, head_dim, what):
+    for name, o, s, r in zip(NAMES, ours, same, ref):
+        assert o.shape == r.shape, f"{what}: {name} {tuple(o.shape)} against {tuple(r.shape)}"
+        assert_within_tolerance(f"{what}: {name}", o, s, r, slack=slack(name, rows_per_key, head_dim))
+
+
+def _check_dense(device, arch, dqk, dv, dtype, causal, shape=(2, 239, 200, 4, 2)):
+    batch, seqlen_q, seqlen_k, nheads, nheads_kv = shape
+    q, k, v, dout = _inputs(seqlen_q, seqlen_k, nheads, nheads_kv, dqk, dv, DTYPES[dtype], device, (batch,), dqk)
+    if device != "cpu":
+        skip_if_not_built(Case(batch, seqlen_q, seqlen_k, nheads, nheads_kv, max(dqk, dv), dtype, causal, arch))
+        torch.full((64 << 20,), float("nan"), device=device)  # poison the caching allocator
+    with cutlass_flash.force_arch(arch):
+        out, lse = cutlass_flash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+        ours = (out, lse) + torch.autograd.grad(out, (q, k, v), dout)
+    window = (-1, 0) if causal else (-1, -1)
+    ref = reference_outputs(q, k, v, dout, dtype=torch.float64, window=window)
+    same = reference_outputs(q, k, v, dout, window=window)
+    _check(ours, same, ref, seqlen_q * nheads // nheads_kv, max(dqk, dv), f"sm{arch} ({dqk}, {dv}) {dtype}")
+
+
+LENGTHS_Q = (1, 17, 0, 130, 33)
+LENGTHS_K = (20, 1, 4, 100, 257)
+
+
+def _cu(lengths, device):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+
+def _check_packed(device, arch, dqk, dv, dtype, causal):
+    lq, lk, nheads, nheads_kv = LENGTHS_Q, LENGTHS_K, 4, 2
+    q, k, v, dout = _inputs(sum(lq), sum(lk), nheads, nheads_kv, dqk, dv, DTYPES[dtype], device, seed=dqk)
+    cu_q, cu_k = _cu(lq, device), _cu(lk, device)
+    if device != "cpu":
+        skip_if_not_built(Case(1, max(lq), max(lk), nheads, nheads_kv, max(dqk, dv), dtype, causal, arch))
+    with cutlass_flash.force_arch(arch):
+        out, lse = cutlass_flash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal,
+                                                        return_lse=True)
+        ours = (out, lse) + torch.autograd.grad(out, (q, k, v), dout)
+
+    def reference(dtype_ref):
+        """The packed layouts, sequence by sequence; lse +inf on the rows of no key."""
+        outs = [torch.zeros(t.shape, dtype=dtype_ref or t.dtype, device=device) for t in (v.new_empty(
+            dout.shape), q, k, v)]
+        lse_ref = torch.full((nheads, q.shape[0]), float("inf"), dtype=torch.float64 if dtype_ref else torch.float32,
+                             device=device)
+        for b in range(len(lq)):
+            sq, sk = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+            if lq[b] == 0:
+                continue
+            o, l_, dq_, dk_, dv_ = reference_outputs(q[sq][None], k[sk][None], v[sk][None], dout[sq][None],
+                                                     dtype=dtype_ref, window=(-1, 0) if causal else (-1, -1))
+            for dest, part, rows in zip(outs, (o, dq_, dk_, dv_), (sq, sq, sk, sk)):
+                dest[rows] = part[0]
+            lse_ref[:, sq] = l_[0]
+        return outs[0], lse_ref, outs[1], outs[2], outs[3]
+
+    _check(ours, reference(None), reference(torch.float64), max(lq) * nheads // nheads_kv, max(dqk, dv),
+           f"packed sm{arch} ({dqk}, {dv}) {dtype}")
+
+
+# -- CPU, on the fake binding --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dqk, dv", PAIRS)
+@pytest.mark.parametrize("arch", [80, 90], ids=["sm80", "sm90"])
+def test_head_dim_v_dense_fake(fake_backend, arch, dqk, dv):
+    _check_dense("cpu", arch, dqk, dv, "bf16", causal=True, shape=(1, 70, 50, 2, 1))
+    assert {p["head_dim"] for _, _, p in fake_backend.calls} == {cutlass_flash.padded_head_dim(max(dqk, dv))}
+
+
+def test_head_dim_v_packed_fake(fake_backend):
+    _check_packed("cpu", 90, 192, 128, "bf16", causal=False)
+
+
+def test_plan_head_dim_v(fake_backend):
+    q, k = (torch.empty(1, 8, 2, 192, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.empty(1, 8, 2, 128, dtype=torch.bfloat16)
+    assert cutlass_flash.plan(q, k, "bwd", v=v) == cutlass_flash.Plan(90, 192, 0, "bf16", 64)
+    assert cutlass_flash.plan(v, v, v=q).pad == 64
+
+
+def test_head_dim_v_checks(fake_backend):
+    q = torch.empty(1, 8, 2, 192, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="v's head_dim"):
+        cutlass_flash.flash_attn_func(q, q, torch.empty(1, 8, 2, 264, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"k and v must have the same \(batch, seqlen, nheads\)"):
+        cutlass_flash.flash_attn_func(q, q, torch.empty(1, 9, 2, 128, dtype=torch.bfloat16))
+
+
+# -- GPU -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", kernel_archs(), ids=lambda a: f"sm{a}")
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("dqk, dv", PAIRS)
+@pytest.mark.parametrize("causal", [False, True], ids=["nomask", "causal"])
+def test_head_dim_v_accuracy(arch, dtype, dqk, dv, causal):
+    _check_dense("cuda", arch, dqk, dv, dtype, causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", kernel_archs(), ids=lambda a: f"sm{a}")
+@pytest.mark.parametrize("causal", [False, True], ids=["nomask", "causal"])
+def test_head_dim_v_packed(arch, causal):
+    _check_packed("cuda", arch, 192, 128, "bf16", causal)
