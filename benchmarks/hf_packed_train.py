@@ -53,6 +53,7 @@ from transformers.utils import import_utils
 from cutlass_flash import benchmark as bench
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_common  # noqa: E402
 import varlen_bench  # noqa: E402  (MIXES, mix_lengths, loguniform_lengths, _fa3_varlen_note)
 
 REF = "cutlass_flash"
@@ -261,7 +262,7 @@ def main(argv=None):
         return 2
     env = bench.environment()
     env["transformers"] = transformers.__version__
-    env["FA3"] = bench.fa3_info()
+    env["FA3"] = bench_common.fa3_info()
     for k, v in env.items():
         print(f"{k:22s} {v}", flush=True)
     batches = make_batches(args)

@@ -39,6 +39,8 @@ import torch
 import cutlass_flash
 from cutlass_flash import benchmark as bench
 
+import bench_common
+
 # Named mixes of document lengths (--mix), packed in this order: the long documents first.
 MIXES = {
     "long32k-short64": "1 x 32768 + 2000 x 64 tokens",
@@ -184,7 +186,7 @@ def run_dense_comparison(args, causal):
             for shape, fn, qkv in (("varlen", varlen_fn, packed), ("dense", dense_fn, dense)):
                 if fn is None:
                     continue
-                fwd, fwdbwd = bench.fwd_and_fwdbwd(fn, qkv, torch.randn_like(qkv[0]))
+                fwd, fwdbwd = bench_common.fwd_and_fwdbwd(fn, qkv, torch.randn_like(qkv[0]))
                 calls[(name, shape, "fwd")] = (fwd, bench.contextlib.nullcontext)
                 calls[(name, shape, "fwdbwd")] = (fwdbwd, bench.contextlib.nullcontext)
         times = bench.time_interleaved(calls, rounds=args.rounds, budget_ms=args.budget_ms)
@@ -277,7 +279,7 @@ def _run_head_dim(args, mix, lengths, cu, hd, fa3, rows):
                                    alone, alone_dout)
         calls, status = {}, {}
         for name, (fn, qkv, dout) in impls.items():
-            fwd, fwdbwd = bench.fwd_and_fwdbwd(fn, qkv, dout)
+            fwd, fwdbwd = bench_common.fwd_and_fwdbwd(fn, qkv, dout)
             for mode, call in (("fwd", fwd), ("fwdbwd", fwdbwd)):
                 status[(name, mode)] = _try_once(call)
                 if status[(name, mode)] is None:
@@ -327,7 +329,7 @@ def mix_table(rows):
 
 def run_mixes(args):
     env = bench.environment()
-    env["FA3"] = bench.fa3_info()
+    env["FA3"] = bench_common.fa3_info()
     for key, val in env.items():  # GPU and versions first
         print(f"{key:22s} {val}", flush=True)
     fa3 = bench._fa3_interface()

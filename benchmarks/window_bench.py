@@ -18,6 +18,8 @@ import torch
 import cutlass_flash
 from cutlass_flash import benchmark as bench
 
+import bench_common
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -50,7 +52,7 @@ def _calls(head_dim, args, fa3):
         for shape, qkv, window, causal in (("window", long_qkv, (args.window, 0), True),
                                            ("dense", short_qkv, (-1, -1), False),
                                            ("dense-causal", short_qkv, (-1, -1), True)):
-            fwd, fwdbwd = bench.fwd_and_fwdbwd(lambda q, k, v, fn=fn, w=window, c=causal: fn(q, k, v, w, c), qkv,
+            fwd, fwdbwd = bench_common.fwd_and_fwdbwd(lambda q, k, v, fn=fn, w=window, c=causal: fn(q, k, v, w, c), qkv,
                                                torch.randn_like(qkv[0]))
             calls[(name, shape, "fwd")] = fwd
             calls[(name, shape, "fwdbwd")] = fwdbwd

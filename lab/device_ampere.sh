@@ -114,7 +114,7 @@ case "${PHASE:-tests}" in
         dir=$root
         [ "$round" = base ] && dir=$root/$BASE_TREE
         (cd "$dir" && CUDA_VISIBLE_DEVICES=$(gpu 2) PYTHONPATH=$dir CUTLASS_FLASH_FORCE_ARCH=80 timeout 200 \
-          python3 -m cutlass_flash.benchmark --impls ours-softcap,ours-alibi,ours-dropout,sdpa-flash --modes fwd,bwd \
+          python3 "$root/benchmarks/features.py" --impls ours-softcap,ours-alibi,ours-dropout,sdpa-flash --modes fwd,bwd \
           --head-dims 64,128,256 --seqlens 2048,8192 --rounds 3 --no-plot --tag "sm80-features-$round" --out "$OUT") \
           >"$LOGS/sm80-features-$round.log" 2>&1
         echo "sm80 features A/B $round: rc $?"

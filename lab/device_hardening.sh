@@ -105,7 +105,7 @@ case "${PHASE:-tests}" in
       dir=$root
       [ "$round" = base ] && dir=$root/$BASE_TREE
       (cd "$dir" && CUDA_VISIBLE_DEVICES=1 PYTHONPATH=$dir${FA3_PATH:+:$FA3_PATH} timeout "${DET_TIMEOUT:-150}" \
-        python3 -m cutlass_flash.benchmark --impls ours,ours-det,fa3,fa3-det --modes bwd --head-dims 64,128,256 \
+        python3 "$root/benchmarks/features.py" --impls ours,ours-det,fa3,fa3-det --modes bwd --head-dims 64,128,256 \
         --seqlens 4096,16384 --rounds 2 --no-plot --tag "det-$round" --out "$OUT") >"$LOGS/det-$round.log" 2>&1
       echo "det $round: rc $?"
     done

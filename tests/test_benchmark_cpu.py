@@ -1,5 +1,6 @@
 """The benchmark's logic on CPU: arguments, the interleaved timing schedule, FLOP count and the
-markdown table (the GPU timing itself is replaced by a recording stand-in)."""
+markdown table (the GPU timing itself is replaced by a recording stand-in); the columns of
+benchmarks/features.py and the arguments and helpers of the other scripts of benchmarks/."""
 
 import contextlib
 import sys
@@ -65,24 +66,33 @@ def test_markdown_has_one_section_per_dtype_and_mode():
     assert "| 128 | 2048 | 8 x 16 | no | 550.0 | 275.0 | 600.0 | 2.00x | 0.92x |" in fp16
 
 
-def test_ours_variant_columns_and_bad_impl(monkeypatch, capsys):
+def test_impls_of_the_package_and_bad_impl(capsys):
+    args = benchmark.parse_args(["--impls", "ours,sdpa-cudnn", "--arch", "80,sm90"])
+    assert [label for label, _, _ in benchmark.implementations(args)] == ["ours-sm80", "ours-sm90", "sdpa-cudnn"]
+    with pytest.raises(SystemExit):
+        benchmark.parse_args(["--impls", "ours,fa4"])
+    assert "--impls: expected some of ours, sdpa-flash, sdpa-cudnn, sdpa-efficient, fa3; got 'fa4'" in \
+        capsys.readouterr().err
+    with pytest.raises(SystemExit):  # the variant columns are benchmarks/features.py's
+        benchmark.parse_args(["--impls", "ours-det"])
+
+
+def test_feature_variant_columns(monkeypatch):
+    features = _bench_script("features")
     calls = []
-    monkeypatch.setattr(benchmark.cutlass_flash, "flash_attn_func",
-                        lambda q, k, v, dropout_p, causal, softcap, alibi_slopes, deterministic:
-                        calls.append((causal, softcap, alibi_slopes is not None, deterministic, dropout_p)))
-    args = benchmark.parse_args(["--impls", "ours,ours-det,ours-softcap,ours-alibi,ours-dropout"])
-    impls = benchmark.implementations(args)
+    monkeypatch.setattr(benchmark.cutlass_flash, "flash_attn_func", lambda q, k, v, **kw: calls.append(kw))
+    args = features.parse_args(["--impls", "ours,ours-det,ours-softcap,ours-alibi,ours-dropout", "--check"])
+    assert args.check
+    impls = features.implementations(args)
     assert [label for label, _, _ in impls] == ["ours", "ours-det", "ours-softcap", "ours-alibi", "ours-dropout"]
     q = torch.zeros(1, 2, 4, 8)
     for _, factory, _ in impls:
         factory(True)(q, q, q)
-    assert calls == [(True, 0.0, False, False, 0.0), (True, 0.0, False, True, 0.0),
-                     (True, benchmark.SOFTCAP, False, False, 0.0), (True, 0.0, True, False, 0.0),
-                     (True, 0.0, False, False, benchmark.DROPOUT)]
-    with pytest.raises(SystemExit):
-        benchmark.parse_args(["--impls", "ours,fa4"])
-    expected = "--impls: expected some of ours, ours-det, ours-softcap, ours-alibi, ours-dropout, sdpa-flash"
-    assert expected in capsys.readouterr().err
+    slopes = calls[3].pop("alibi_slopes")
+    assert torch.equal(slopes, torch.tensor([2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8]))  # 2^(-8 (h + 1) / H)
+    assert calls == [{"causal": True}, {"causal": True, "deterministic": True},
+                     {"causal": True, "softcap": features.SOFTCAP}, {"causal": True},
+                     {"causal": True, "dropout_p": features.DROPOUT}]
 
 
 @pytest.fixture
@@ -125,6 +135,7 @@ def test_fa3_column_and_ratio_with_a_stand_in(monkeypatch, fresh_fa3):
     with pytest.raises(ValueError, match="head_dim 96"):
         fwd(*(torch.zeros(1, 4, 2, 96, dtype=torch.bfloat16),) * 3)
     assert "head dims 64,128,256" in benchmark.fa3_info()
+    assert _bench_script("bench_common").fa3_info() == benchmark.fa3_info()  # no SOURCE.txt under /x
     rows = [dict(dtype="bf16", head_dim=128, seqlen=2048, batch=8, nheads=16, causal=0, mode="fwd",
                  impl=impl, ms=1.0, tflops=tf, status="")
             for impl, tf in (("ours", 600.0), ("sdpa-flash", 300.0), ("fa3", 500.0))]
@@ -134,13 +145,14 @@ def test_fa3_column_and_ratio_with_a_stand_in(monkeypatch, fresh_fa3):
 
 
 def _stand_in_fa3_columns(monkeypatch, flash_attn_func, build_flags, column, mode):
-    """The fa3 column and `column` of a benchmark run against a stand-in FA3 (`flash_attn_func`,
+    """The fa3 column and `column` of a benchmarks/features.py run against a stand-in FA3 (`flash_attn_func`,
     built with `build_flags`), by label."""
     monkeypatch.setitem(sys.modules, "flash_attn_interface",
                         types.SimpleNamespace(flash_attn_func=flash_attn_func, __file__="/x/y.py"))
     monkeypatch.setitem(sys.modules, "flash_attn_config", types.SimpleNamespace(CONFIG={"build_flags": build_flags}))
-    args = benchmark.parse_args(["--impls", f"fa3,{column}", "--modes", mode, "--head-dims", "64"])
-    impls = dict((label, f) for label, f, _ in benchmark.implementations(args))
+    features = _bench_script("features")
+    args = features.parse_args(["--impls", f"fa3,{column}", "--modes", mode, "--head-dims", "64"])
+    impls = dict((label, f) for label, f, _ in features.implementations(args))
     assert list(impls) == ["fa3", column]
     return impls
 
@@ -177,7 +189,7 @@ def test_fa3_softcap_column_passes_softcap(monkeypatch, fresh_fa3):
     q = torch.ones(1, 4, 2, 64, dtype=torch.bfloat16)
     for label in ("fa3", "fa3-softcap"):
         assert torch.equal(impls[label](True)(q, q, q), q * 3)
-    assert calls == [(True, 0.0), (True, benchmark.SOFTCAP)]
+    assert calls == [(True, 0.0), (True, _bench_script("features").SOFTCAP)]
     # A build without softcap (device_fa3.sh's default): n/a with the reason, FA3 never called.
     flags["FLASHATTENTION_DISABLE_SOFTCAP"] = True
     with pytest.raises(ValueError, match="no softcap"):
@@ -186,14 +198,38 @@ def test_fa3_softcap_column_passes_softcap(monkeypatch, fresh_fa3):
 
 
 def _bench_script(name):
+    """benchmarks/NAME.py as a module (benchmarks/ on the path while it loads, as when run)."""
     import importlib.util
     import os
 
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(name, path)
+    folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
+    spec = importlib.util.spec_from_file_location(name, os.path.join(folder, f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.path.insert(0, folder)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(folder)
     return module
+
+
+def test_fa3_info_with_source_commits(monkeypatch, tmp_path, fresh_fa3):
+    (tmp_path / "hopper").mkdir()
+    (tmp_path / "SOURCE.txt").write_text("flash-attention 0123456789abcdef0123\ncutlass fedcba9876543210\n")
+    monkeypatch.setitem(sys.modules, "flash_attn_interface",
+                        types.SimpleNamespace(__file__=str(tmp_path / "hopper" / "flash_attn_interface.py")))
+    monkeypatch.setitem(sys.modules, "flash_attn_config", types.SimpleNamespace(CONFIG={"build_flags": {}}))
+    assert _bench_script("bench_common").fa3_info() == \
+        benchmark.fa3_info() + "; flash-attention 0123456789ab; cutlass fedcba987654"
+
+
+def test_overhead_arguments():
+    overhead = _bench_script("overhead")
+    args = overhead.parse_args([])
+    assert (args.dtype, args.arch, args.calls) == ("bf16", [0], 2000)
+    assert overhead.parse_args(["--arch", "80,90", "--dtype", "fp16"]).arch == [80, 90]
+    with pytest.raises(SystemExit):
+        overhead.parse_args(["--dtype", "fp32"])
 
 
 def test_window_bench_arguments():
@@ -237,7 +273,7 @@ def test_fwd_and_fwdbwd_and_report(tmp_path, capsys):
 
     q = torch.randn(3, 4, requires_grad=True)
     dout = torch.full((3, 4), 3.0)
-    fwd, fwdbwd = benchmark.fwd_and_fwdbwd(lambda x: (Double.apply(x), None), (q,), dout)
+    fwd, fwdbwd = _bench_script("bench_common").fwd_and_fwdbwd(lambda x: (Double.apply(x), None), (q,), dout)
     out, _ = fwd()
     assert not out.requires_grad and seen == []
     fwdbwd()
