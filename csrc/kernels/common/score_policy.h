@@ -1,5 +1,5 @@
 // The score modifiers of a call as one policy object, the only way the mainloops of both families
-// (sm80, sm90; forward and backward) and their launchers see softcap, ALiBi and
+// (sm80, sm90; forward and backward), their launchers and the host API see softcap, ALiBi and
 // dropout (and the window / causal mask). A mainloop calls it by stage, never by feature:
 //   before_softmax   on the raw scores q.k: tanh (softcap) -> bias (ALiBi) -> mask (tanh(-inf)
 //                    would be -1; the bias is measured from the mask's diagonal);
@@ -26,19 +26,15 @@
 //   probability stage a kernel of its own (NoProbsStage, below, is the kernel without it);
 // - sm80 forward and backward: the three switches cost plain calls up to a third of the forward
 //   (PERFLOG.md entry 93), so every sm80 head dim has a plain instantiation.
+//
+// The host part (ScoreFeatures, the checks of a call's fields) needs no CUDA compiler: the host
+// API (csrc/dispatch/api.cpp) includes this header too.
 #pragma once
-
-#include <cute/tensor.hpp>
 
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 
 #include "cutlass_flash/params.h"
-#include "kernels/common/alibi.h"
-#include "kernels/common/dropout.h"
-#include "kernels/common/mask.h"
-#include "kernels/common/softcap.h"
 
 namespace cutlass_flash {
 
@@ -61,6 +57,42 @@ using AllScoreFeatures = ScoreFeatures<true, true, true>;
 using NoProbsStage = ScoreFeatures<true, true, false>;
 using NoDropout = NoProbsStage;  // lab/tune_sm90.cu's -DTUNE_FEATURES=NoDropout
 using PlainScores = ScoreFeatures<false, false, false>;
+
+// Host checks of a call's score fields: why they cannot run (an error message without the
+// direction's prefix), nullptr when they can.
+inline const char* score_fields_error(const AttnProblem& p) {
+  if (!(std::isfinite(p.softcap) && p.softcap >= 0.f)) return "softcap must be finite and >= 0 (0: off)";
+  if (reinterpret_cast<uintptr_t>(p.alibi_slopes) % alignof(float) != 0 || p.alibi_batch_stride < 0)
+    return "alibi_slopes must be a 4-byte aligned float32 array with a batch stride >= 0";
+  if (!(p.dropout_p >= 0.f && p.dropout_p < 1.f)) return "dropout_p must be in [0, 1)";
+  if (p.dropout_p > 0.f && (p.rng_state == nullptr || reinterpret_cast<uintptr_t>(p.rng_state) % 16 != 0))
+    return "dropout_p > 0 needs rng_state: two int64 (seed, offset) in device memory, 16-byte aligned";
+  return nullptr;
+}
+
+// The features of a call that only the kernels taking every combination of the score features
+// take in one call (the dispatch table's all_features_fwd / _bwd head dims; csrc/generate.py's
+// Family.all_features says why), named for an error message ("... does not take <this>");
+// nullptr when the call needs no such kernel. Softcap with ALiBi: a backward that recovers tanh's
+// value from P cannot, as the bias shifts P (see Held below).
+inline const char* score_features_combined(const AttnProblem& p) {
+  return p.softcap > 0.f && p.alibi_slopes != nullptr ? "softcap and alibi_slopes together" : nullptr;
+}
+
+}  // namespace cutlass_flash
+
+#if defined(__CUDACC__)
+
+#include <cute/tensor.hpp>
+
+#include <type_traits>
+
+#include "kernels/common/alibi.h"
+#include "kernels/common/dropout.h"
+#include "kernels/common/mask.h"
+#include "kernels/common/softcap.h"
+
+namespace cutlass_flash {
 
 // ScorePolicy<Features> is built once per tile from (params, batch, head) and holds the order the
 // math needs, written once for every mainloop.
@@ -115,7 +147,7 @@ struct ScorePolicy {
   // a third MUFU operation per score); under ALiBi, the head's slope read once per head (at d = 64
   // once per step, between the S^T GEMM's wait and the exponentials: held, it cost the ALiBi
   // backward there 3-8%, PERFLOG.md entry 65). Recovering tanh's value from P is also why a step
-  // that does not hold the derivative cannot take softcap with ALiBi (Family.softcap_alibi):
+  // that does not hold the derivative cannot take softcap with ALiBi (score_features_combined):
   // the bias shifts P; adding it back cost the softcap backward without ALiBi 3-13% (sm90, d = 64
   // / 128) or spilled (sm80 at 255 registers, and sm90 d = 64 as a separate branch) (PERFLOG.md
   // entry 64).
@@ -319,3 +351,5 @@ struct ScorePolicy {
 };
 
 }  // namespace cutlass_flash
+
+#endif  // defined(__CUDACC__)
