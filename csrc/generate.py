@@ -81,27 +81,30 @@ class Family:
     # (AttnProblem::head_dim_real: a head dim between instantiated ones runs without a padded
     # copy). The others are given copies padded to the tile's width (cutlass_flash/_ops.py).
     narrow_head_dim: Tuple[str, ...] = ()
-    # Directions whose kernels take softcap and ALiBi in one call at every head dim: the forwards
+    # Directions whose kernels take every combination of the score features in one call at every
+    # head dim (kernels/common/score_policy.h: score_features_combined), that is softcap with ALiBi:
+    # the forwards
     # (both families checked on an H100, the sm80 one in its sm_90 machine code). Backwards that
     # recover tanh's value from P cannot, as the bias shifts P; adding it back cost the softcap
     # backward without ALiBi 3-13% (sm90, d = 64 / 128) or spilled (sm80 at 255 registers, and
     # sm90 d = 64 as a separate branch) (PERFLOG.md entry 64).
-    softcap_alibi: Tuple[str, ...] = ("fwd",)
+    all_features: Tuple[str, ...] = ("fwd",)
     # ... and the backward's head dims that take the pair all the same: those whose steps hold
     # 1 - t^2 from tanh itself (the sm90 backward's 64-query steps, PERFLOG 66). Each generated
     # backward translation unit of such a family checks its entry against the traits
     # (<namespace>::bwd_holds_feature_values).
-    softcap_alibi_bwd_head_dims: Tuple[int, ...] = ()
+    all_features_bwd_head_dims: Tuple[int, ...] = ()
     # Whether the deterministic backward walks upwards under a right-bounded mask with one dQ copy
     # (FlashAttention-3's causal order, sm90/bwd_kernel.h), and so keeps one copy up to
     # BWD_DQ_GROUPS_MIN_SEQLEN_K_RIGHT_BOUNDED keys there.
     bwd_walks_up: bool = False
 
-    def softcap_alibi_dims(self, direction: str) -> Tuple[int, ...]:
-        """Head dims whose `direction` kernels take softcap with ALiBi."""
-        if direction in self.softcap_alibi:
+    def all_features_dims(self, direction: str) -> Tuple[int, ...]:
+        """Head dims whose `direction` kernels take every combination of the score features
+        (softcap with ALiBi) in one call."""
+        if direction in self.all_features:
             return self.head_dims_for(direction)
-        return self.softcap_alibi_bwd_head_dims if direction == "bwd" else ()
+        return self.all_features_bwd_head_dims if direction == "bwd" else ()
 
     def head_dims_for(self, direction: str) -> Tuple[int, ...]:
         if direction == "bwd" and self.bwd_head_dims is not None:
@@ -144,7 +147,7 @@ FAMILIES: Tuple[Family, ...] = (
            # FWD_WORKSPACE_ALIGN unit.
            fwd_workspace_bytes=16,
            bwd_walks_up=True,
-           softcap_alibi_bwd_head_dims=tuple(d for d in HEAD_DIMS if d >= 96),
+           all_features_bwd_head_dims=tuple(d for d in HEAD_DIMS if d >= 96),
            # TMA over the packed tensors from each sequence's first row; O by predicated stores.
            varlen=("fwd", "bwd"),
            # TMA descriptors of the tensors' own width fill the tiles' other columns with zeros
@@ -333,20 +336,22 @@ BWD_WORKSPACE_HEADER = "bwd_workspace.h"
 
 
 # --------------------------------------------------------------------------------------------
-# Dropout's mask function (csrc/kernels/common/dropout.h draws it, cutlass_flash/dropout.py is
-# its torch twin): both read these from here (csrc/generated/dropout_mask.h, _catalog.py).
+# Dropout's mask function (csrc/kernels/common/dropout.h draws it with kernels/common/philox.h,
+# cutlass_flash/dropout.py is its torch twin): both read these from here
+# (csrc/generated/philox_rounds.h, _catalog.py).
 # --------------------------------------------------------------------------------------------
 
 # Philox4x32 rounds. Random123 (Salmon et al., SC'11) reports 7 the fewest that pass TestU01's
 # BigCrush and ships 10 as a safety margin; a dropout mask needs no more than BigCrush's
 # standard, and at 10 the generator was most of dropout's cost (PERFLOG.md entry 40).
 DROPOUT_PHILOX_ROUNDS = 7
-DROPOUT_HEADER = "dropout_mask.h"
+DROPOUT_HEADER = "philox_rounds.h"
 
 
 def dropout_header() -> str:
     return f"""{MARKER}
-// Constants of dropout's mask function (csrc/generate.py's DROPOUT_*, also in cutlass_flash/_catalog.py).
+// Constants of the Philox generator behind dropout's mask function (csrc/generate.py's DROPOUT_*,
+// also in cutlass_flash/_catalog.py).
 #pragma once
 
 namespace cutlass_flash {{
@@ -393,7 +398,7 @@ VARLEN = {{{', '.join(f"{f.arch}: {f.varlen!r}" for f in FAMILIES)}}}
 NARROW_HEAD_DIM = {{{', '.join(f"{f.arch}: {f.narrow_head_dim!r}" for f in FAMILIES)}}}
 
 #: family arch -> {{direction: head dims whose kernels take softcap and alibi_slopes in one call}}.
-SOFTCAP_ALIBI = {{{', '.join(f"{f.arch}: {{{', '.join(f'{d!r}: {f.softcap_alibi_dims(d)!r}' for d in f.directions)}}}" for f in FAMILIES)}}}
+SOFTCAP_ALIBI = {{{', '.join(f"{f.arch}: {{{', '.join(f'{d!r}: {f.all_features_dims(d)!r}' for d in f.directions)}}}" for f in FAMILIES)}}}
 
 #: Dropout's mask function: Philox4x32 rounds.
 DROPOUT_PHILOX_ROUNDS = {DROPOUT_PHILOX_ROUNDS}
@@ -474,10 +479,10 @@ def translation_unit(inst: Instantiation) -> str:
               "csrc/generate.py's Family.extended_gmma disagrees with this instantiation's wgmma shapes");
 
 """
-    if inst.direction == "bwd" and fam.softcap_alibi_bwd_head_dims:
-        takes = inst.head_dim in fam.softcap_alibi_bwd_head_dims
+    if inst.direction == "bwd" and fam.all_features_bwd_head_dims:
+        takes = inst.head_dim in fam.all_features_bwd_head_dims
         check += f"""static_assert({fam.namespace}::bwd_holds_feature_values<{inst.head_dim}, {elem}>() == {str(takes).lower()},
-              "csrc/generate.py's Family.softcap_alibi_bwd_head_dims disagrees with this backward's steps");
+              "csrc/generate.py's Family.all_features_bwd_head_dims disagrees with this backward's steps");
 
 """
     return f"""{MARKER}
@@ -711,8 +716,8 @@ def write_generated(out_dir: Path = GENERATED_DIR,
     if out_dir == GENERATED_DIR and write_if_changed(PY_CATALOG, python_catalog()):
         changed.append(PY_CATALOG)
     if prune:
-        keep = {i.filename for i in all_instantiations()}
-        for p in sorted(out_dir.glob("*.cu")):
+        keep = {i.filename for i in all_instantiations()} | {BWD_WORKSPACE_HEADER, DROPOUT_HEADER}
+        for p in sorted([*out_dir.glob("*.cu"), *out_dir.glob("*.h")]):
             if p.name not in keep and p.read_text().startswith(MARKER):
                 p.unlink()
                 changed.append(p)
@@ -757,12 +762,12 @@ def dispatch_table_source(insts: Sequence[Instantiation], knobs: Knobs) -> str:
         lines.append(f"const int {name}[] = {{{', '.join(map(str, values))}}};")
         return name, len(values)
 
-    softcap_alibi = {}
+    all_features = {}
     for f in FAMILIES:
         lines.append(f"const int kFamilyHeadDims{f.arch}[] = "
                      f"{{{', '.join(map(str, f.head_dims))}}};")
         for d in ("fwd", "bwd"):
-            softcap_alibi[(f.arch, d)] = int_array(f"kSoftcapAlibi{d.capitalize()}{f.arch}", f.softcap_alibi_dims(d))
+            all_features[(f.arch, d)] = int_array(f"kAllFeatures{d.capitalize()}{f.arch}", f.all_features_dims(d))
     lines.append("const CatalogFamily kCatalog[] = {")
     for f in FAMILIES:
         lines.append(f"    {{{f.arch}, {'true' if 'fwd' in f.directions else 'false'}, "
@@ -771,7 +776,7 @@ def dispatch_table_source(insts: Sequence[Instantiation], knobs: Knobs) -> str:
                      f"{'true' if 'fwd' in f.varlen else 'false'}, {'true' if 'bwd' in f.varlen else 'false'}, "
                      f"{'true' if 'fwd' in f.narrow_head_dim else 'false'}, "
                      f"{'true' if 'bwd' in f.narrow_head_dim else 'false'}, "
-                     f"{', '.join(f'{n}, {c}' for n, c in (softcap_alibi[(f.arch, 'fwd')], softcap_alibi[(f.arch, 'bwd')]))}}},")
+                     f"{', '.join(f'{n}, {c}' for n, c in (all_features[(f.arch, 'fwd')], all_features[(f.arch, 'bwd')]))}}},")
     lines += ["};", ""]
     lines.append(f"const int kArchs[] = {{{', '.join(map(str, knobs.archs))}}};")
     lines.append(f"const int kHeadDims[] = {{{', '.join(map(str, knobs.head_dims))}}};")

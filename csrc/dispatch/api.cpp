@@ -15,6 +15,7 @@
 #include "dispatch/table.h"
 #include "dispatch/validate.h"
 #include "generated/bwd_workspace.h"
+#include "kernels/common/score_policy.h"
 #include "kernels/common/varlen_workspace.h"
 
 namespace cutlass_flash {
@@ -192,8 +193,7 @@ Status check_problem(const AttnProblem& p, int arch, Direction dir) {
     return make(Status::kInvalidArgument, prefix(dir) + "unknown dtype value " + to_string(static_cast<int>(p.dtype)));
   if (!std::isfinite(p.softmax_scale))
     return make(Status::kInvalidArgument, prefix(dir) + "softmax_scale must be finite");
-  if (!(std::isfinite(p.softcap) && p.softcap >= 0.f))
-    return make(Status::kInvalidArgument, prefix(dir) + "softcap must be finite and >= 0 (0: off)");
+  if (const char* error = score_fields_error(p)) return make(Status::kInvalidArgument, prefix(dir) + error);
   if ((p.cu_seqlens_q == nullptr) != (p.cu_seqlens_k == nullptr))
     return make(Status::kInvalidArgument,
                 prefix(dir) + "cu_seqlens_q and cu_seqlens_k must be given together (variable-length) or not at all");
@@ -209,28 +209,19 @@ Status check_problem(const AttnProblem& p, int arch, Direction dir) {
       return make(Status::kInvalidArgument, prefix(dir) + "total_q = " + to_string(p.total_q) +
                                                 " and total_k = " + to_string(p.total_k) + " must be positive");
   }
-  if (reinterpret_cast<uintptr_t>(p.alibi_slopes) % alignof(float) != 0 || p.alibi_batch_stride < 0)
-    return make(Status::kInvalidArgument,
-                prefix(dir) + "alibi_slopes must be a 4-byte aligned float32 array with a batch stride >= 0");
   if (reinterpret_cast<uintptr_t>(p.sinks) % alignof(float) != 0)
     return make(Status::kInvalidArgument, prefix(dir) + "sinks must be a 4-byte aligned float32 array (nheads)");
-  if (!(p.dropout_p >= 0.f && p.dropout_p < 1.f))
-    return make(Status::kInvalidArgument, prefix(dir) + "dropout_p must be in [0, 1)");
-  if (p.dropout_p > 0.f && (p.rng_state == nullptr || reinterpret_cast<uintptr_t>(p.rng_state) % 16 != 0))
-    return make(
-        Status::kInvalidArgument,
-        prefix(dir) + "dropout_p > 0 needs rng_state: two int64 (seed, offset) in device memory, 16-byte aligned");
   const CatalogFamily* fam = find_family(arch);
   if (fam == nullptr)
     return make(Status::kInvalidArgument,
                 prefix(dir) + "unknown kernel family arch = " + to_string(arch) + " (known: " + known_families() + ")");
-  if (p.softcap > 0.f && p.alibi_slopes != nullptr &&
-      !(dir == Direction::kForward ? contains(fam->softcap_alibi_fwd, fam->num_softcap_alibi_fwd, p.head_dim)
-                                   : contains(fam->softcap_alibi_bwd, fam->num_softcap_alibi_bwd, p.head_dim)))
+  if (const char* combined = score_features_combined(p);
+      combined != nullptr &&
+      !(dir == Direction::kForward ? contains(fam->all_features_fwd, fam->num_all_features_fwd, p.head_dim)
+                                   : contains(fam->all_features_bwd, fam->num_all_features_bwd, p.head_dim)))
     return make(Status::kNotBuilt, prefix(dir) + "the sm" + to_string(arch) + " family's " + direction_word(dir) +
-                                       " at head_dim = " + to_string(p.head_dim) +
-                                       " does not take softcap and alibi_slopes together (csrc/generate.py: "
-                                       "Family.softcap_alibi says why)");
+                                       " at head_dim = " + to_string(p.head_dim) + " does not take " + combined +
+                                       " (csrc/generate.py: Family.all_features says why)");
   if (p.head_dim_real != 0 && p.head_dim_real != p.head_dim &&
       !(dir == Direction::kForward ? fam->narrow_fwd : fam->narrow_bwd))
     return make(Status::kInvalidArgument, prefix(dir) + "the sm" + to_string(arch) + " family's " +

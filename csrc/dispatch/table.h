@@ -35,11 +35,13 @@ struct CatalogFamily {
   bool varlen_bwd;  // the backward does
   bool narrow_fwd;  // the forward takes tensors narrower than its tile (AttnProblem::head_dim_real)
   bool narrow_bwd;  // the backward does
-  // Head dims whose forward / backward takes softcap and alibi_slopes in one call.
-  const int* softcap_alibi_fwd;
-  size_t num_softcap_alibi_fwd;
-  const int* softcap_alibi_bwd;
-  size_t num_softcap_alibi_bwd;
+  // Head dims whose forward / backward kernels take every combination of the score features in
+  // one call (the others refuse the calls that kernels/common/score_policy.h's
+  // score_features_combined names).
+  const int* all_features_fwd;
+  size_t num_all_features_fwd;
+  const int* all_features_bwd;
+  size_t num_all_features_bwd;
 };
 
 // A build knob as it was set for this build ("CUTLASS_FLASH_HEAD_DIMS", "64,128").

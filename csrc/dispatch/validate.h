@@ -9,8 +9,9 @@
 namespace cutlass_flash::dispatch {
 
 // Checks the shapes and scalars of `problem` for kernel family `arch` and `direction`: sizes
-// positive, nheads a multiple of nheads_kv, dtype known, softmax_scale finite, arch a known family
-// with `direction`, head_dim one of its instantiated sizes. Says nothing about whether this build
+// positive, nheads a multiple of nheads_kv, dtype known, softmax_scale finite, the score features'
+// fields valid (kernels/common/score_policy.h), arch a known family with `direction`, head_dim one
+// of its instantiated sizes. Says nothing about whether this build
 // contains the kernel (run_fwd/run_bwd answer kNotBuilt for that).
 Status check_problem(const AttnProblem& problem, int arch, Direction direction);
 

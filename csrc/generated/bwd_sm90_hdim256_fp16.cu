@@ -11,7 +11,7 @@ static_assert(sm90::bwd_extended_gmma<256, cutlass::half_t>() == false,
               "csrc/generate.py's Family.extended_gmma disagrees with this instantiation's wgmma shapes");
 
 static_assert(sm90::bwd_holds_feature_values<256, cutlass::half_t>() == true,
-              "csrc/generate.py's Family.softcap_alibi_bwd_head_dims disagrees with this backward's steps");
+              "csrc/generate.py's Family.all_features_bwd_head_dims disagrees with this backward's steps");
 
 template <>
 Status run_bwd_kernel<90, 256, DType::kFloat16>(const BwdParams& params, cudaStream_t stream) {

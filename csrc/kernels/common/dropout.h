@@ -3,7 +3,7 @@
 // forward's output normalisation and the backward's dV, once per row or tile, not per score). The
 // softmax statistics (row sums, LSE) are those of the undropped P, as in FlashAttention-2. A
 // runtime switch, uniform per call (off: one predicated branch per key block), or a kernel of its
-// own where the path cost registers (sm90::FwdTraits::kDropoutKernel).
+// own where the path cost registers (sm90::FwdTraits::kProbsKernel).
 //
 // The keep mask is a pure function of (sequence b, query head h, query row i, key column j), the
 // coordinates within the sequence, so every kernel family, tile shape and direction draws the
@@ -35,7 +35,7 @@
 namespace cutlass_flash {
 
 struct Dropout {
-  // As Alibi: the tile's (batch, head), which the kernels hold anyway; the rng_state is read from
+  // The tile's (batch, head), which the kernels hold anyway; the rng_state is read from
   // global memory where it is used, once per key block.
   const AttnProblem* p = nullptr;
   int batch = 0, head = 0;

@@ -1,19 +1,19 @@
 // Philox4x32 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11), the
-// counter-based generator behind cuRAND's and PyTorch's CUDA dropout (there with 10 rounds): 128 random bits from a
-// 128-bit counter and a 64-bit key, with no state to carry, so any tile can regenerate the bits
-// of any element (the backward recomputes the forward's dropout mask instead of storing it).
-// cutlass_flash/dropout.py has the same function in torch (the tests' reference, checked against
-// Random123's known-answer vectors).
+// counter-based generator behind cuRAND's and PyTorch's CUDA random numbers (there with 10
+// rounds): 128 random bits from a 128-bit counter and a 64-bit key, with no state to carry, so
+// any tile can regenerate the bits of any element (a backward recomputes the forward's draws
+// instead of storing them). The Python package has the same function in torch (the tests'
+// reference, checked against Random123's known-answer vectors).
 #pragma once
 
 #include <cstdint>
 
-#include "generated/dropout_mask.h"
+#include "generated/philox_rounds.h"
 
 namespace cutlass_flash {
 
 struct Philox {
-  static constexpr int kRounds = kPhiloxRounds;  // csrc/generate.py's DROPOUT_PHILOX_ROUNDS
+  static constexpr int kRounds = kPhiloxRounds;  // csrc/generate.py's (generated/philox_rounds.h)
 
   // One round multiplies two 32-bit words into 64-bit products (one IMAD.WIDE each) and mixes the
   // halves with the other words and the key (one 3-input LOP3 each).

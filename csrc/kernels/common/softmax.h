@@ -164,7 +164,7 @@ struct OnlineSoftmax {
     if constexpr (!kFirst) rescale(acc_o, correction);
   }
 
-  // Normalises acc_o (times o_scale: dropout's 1 / (1 - p)) and returns the per-row log-sum-exp
+  // Normalises acc_o (times o_scale: ScorePolicy::keep_scale) and returns the per-row log-sum-exp
   // (natural log) in `lse`. Rows that saw no key (sum 0) get out = 0 and lse = +inf, as
   // FlashAttention does. sink (natural log units, -inf: none): one more term of every row's
   // denominator, e^sink, with no value (attention sinks); the row's offset moves to the sink where

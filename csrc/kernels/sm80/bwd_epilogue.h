@@ -1,4 +1,4 @@
-// sm80 backward epilogue: dK (scaled by the softmax scale) and dV (by dropout's 1 / (1 - p)) from
+// sm80 backward epilogue: dK (scaled by the softmax scale) and dV (by ScorePolicy::keep_scale) from
 // fp32 registers to 16-bit,
 // through shared memory, to 16-byte global stores of the valid key rows.
 #pragma once

@@ -74,7 +74,7 @@ Status run_bwd(const BwdParams& params, cudaStream_t stream) {
   if (Status s = cuda_status(cudaGetLastError(), "sm80 backward preprocess launch"); !s.ok()) return s;
 
   // Four instantiations (five at d > 128): dense calls run kernels without the packed path
-  // (DenseGridTileMap: register spills), and those without softcap, ALiBi, dropout or
+  // (DenseGridTileMap: register spills), and those without score features or
   // deterministic mode one with them compiled out too (PlainScores: the switches cost those calls
   // up to a tenth, PERFLOG.md entry 93; BwdDqOrder<false>), with two Q stages where shared memory
   // allows (launch_bwd_plain); tensors narrower than the tile (head_dim_real), dense or packed, one

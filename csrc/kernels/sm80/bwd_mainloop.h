@@ -231,22 +231,21 @@ struct BwdMainloop {
         CUTE_UNROLL
         for (int ni = 0; ni < size<1>(p_rc); ++ni) p_rc(mi, ni) = exp2f(p_rc(mi, ni) * scale_log2 - lse_r[mi]);
       }
-      if (score.dropout_on()) {  // dropped probabilities negated until dS is computed (Dropout::Negate)
+      if (score.probs_on()) {  // the probability stage on P, until dS is computed
         const auto c0 = s_coords(loop_tid())(0);
-        score
-            .template drop</*kTransposed=*/false, /*kPairStep=*/8 * Traits::kWarpsNSdP, Dropout::column_align(kBlockN)>(
-                p_rc, rowcol_view(make_coord_tensor(tScS.layout())), m * kBlockM + get<0>(c0),
-                n_block * kBlockN + get<1>(c0), Dropout::Negate{});
+        score.template bwd_probs</*kTransposed=*/false, /*kPairStep=*/8 * Traits::kWarpsNSdP,
+                                 Score::probs_align(kBlockN)>(p_rc, rowcol_view(make_coord_tensor(tScS.layout())),
+                                                              m * kBlockM + get<0>(c0), n_block * kBlockN + get<1>(c0));
       }
 
       Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
       clear(acc_dp);
       gemm_ss(acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, mma_sdp, copy_a_sdp, copy_b_sdp, thr_a_sdp, thr_b_sdp);
       Tensor ds_rc = rowcol_view(acc_dp);
-      score.scores_grad(p_rc, ds_rc, [&](int mi) { return dpsum_r[mi]; });
-      score.softcap_grad(p_rc, ds_rc, [&](int mi) { return lse_r[mi]; });
-      score.dropped_to_zero(acc_s);  // P for the dV GEMM
-      const int t = loop_tid();      // everything below: offsets computed here, after the peak
+      score.scores_grad(p_rc, ds_rc, [&](int mi) { return dpsum_r[mi]; },
+                        [&] { return [&](int mi) { return lse_r[mi]; }; });
+      score.probs_for_dv(acc_s);  // P for the dV GEMM
+      const int t = loop_tid();   // everything below: offsets computed here, after the peak
       {
         Tensor rP = convert_type<Element>(acc_s);
         Tensor rdS = convert_type<Element>(acc_dp);

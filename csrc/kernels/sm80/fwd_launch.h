@@ -46,8 +46,8 @@ Status launch_fwd_plain(const FwdParams& params, cudaStream_t stream) {
   return launch_fwd<Traits, PlainScores, DenseGridTileMap>(params, {}, stream);
 }
 
-// Three instantiations (four up to d = 128): the calls without softcap, ALiBi, dropout or a packed
-// batch run one with those compiled out (PlainScores, DenseGridTileMap: the runtime switches
+// Three instantiations (four up to d = 128): the calls without score features or a packed batch
+// run one with those compiled out (PlainScores, DenseGridTileMap: the runtime switches
 // cost those calls up to a third, PERFLOG.md entry 93), on two K/V buffers where the device allows
 // (launch_fwd_plain); tensors narrower than the tile (head_dim_real) one with all of them that
 // predicates by column (FwdTraits::kNarrow); every other call the one with all of them.

@@ -91,7 +91,7 @@ struct FwdMainloop {
     if constexpr (kStages == 2) {
       // Two buffers each of K and V: block n - 1's K loads during block n's S GEMM, softmax and
       // O GEMM, its V during block n's softmax and O GEMM and its own S GEMM.
-      static_assert(kPlain, "two stages: the plain kernels (no dropout bits, full-row loads)");
+      static_assert(kPlain, "two stages: the plain kernels (no probability draws, full-row loads)");
       constexpr int kBuffer = kBlockN * kHeadDim;  // elements of one K or V buffer
       copy_rows(gmem_copy, tVgV(_, _, _, n), tVsV, tKVcKV, FirstOf{seqlen_k - n * kBlockN}, cols);
       cp_async_fence();
@@ -133,11 +133,12 @@ struct FwdMainloop {
       return;
     }
     for (bool first = true; n >= n_min; --n, first = false) {
-      // Dropout's keep bits before S is live (Traits::kDropoutBitsFirst), or later on P in place.
-      constexpr int kAlign = Dropout::column_align(kBlockN);
-      uint64_t keep = 0;
-      if constexpr (Traits::kDropoutBitsFirst)
-        keep = score.template keep_bits</*kTransposed=*/false, 8, kAlign>(tScS_rc, m_block * kBlockM, n * kBlockN);
+      // The probability stage's draws before S is live (Traits::kProbsDrawFirst), or later on P in
+      // place.
+      constexpr int kAlign = Score::probs_align(kBlockN);
+      typename Score::ProbsDraw draw = 0;
+      if constexpr (Traits::kProbsDrawFirst)
+        draw = score.template fwd_probs_draw</*kTransposed=*/false, 8, kAlign>(tScS_rc, m_block * kBlockM, n * kBlockN);
       Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
       clear(acc_s);
       cp_async_wait<0>();
@@ -168,12 +169,11 @@ struct FwdMainloop {
       } else {
         softmax.template update</*kFirst=*/false>(scores, o_rc);
       }
-      // After the row sums, which are those of the undropped P.
-      if constexpr (Traits::kDropoutBitsFirst)
-        score.drop_bits(scores, keep, Dropout::Zero{});
+      // After the row sums: the softmax's statistics are those of P before this stage.
+      if constexpr (Traits::kProbsDrawFirst)
+        score.fwd_probs_apply(scores, draw);
       else
-        score.template drop</*kTransposed=*/false, 8, kAlign>(scores, tScS_rc, m_block * kBlockM, n * kBlockN,
-                                                              Dropout::Zero{});
+        score.template fwd_probs</*kTransposed=*/false, 8, kAlign>(scores, tScS_rc, m_block * kBlockM, n * kBlockN);
       Tensor rP = convert_type<Element>(acc_s);
       Tensor tOrP = make_tensor(rP.data(), acc_as_a_layout(rP.layout()));
       gemm_rs(acc_o, tOrP, tOrVt, tOsVt, tiled_mma, copy_v, thr_copy_v);

@@ -47,9 +47,9 @@ struct FwdTraits {
   static constexpr bool kNarrow = kNarrow_;
   static constexpr int kKVStages = kKVStages_;
   static_assert(kKVStages == 1 || kKVStages == 2);
-  // Dropout's keep bits drawn before S is live (Dropout::keep_bits) rather than on P in place:
-  // in place spilled 16 B at d = 128 and 60 B at d = 256.
-  static constexpr bool kDropoutBitsFirst = kHeadDim >= 128;
+  // The score policy's probability stage drawn before S is live (ScorePolicy::fwd_probs_draw,
+  // which says why) rather than on P in place.
+  static constexpr bool kProbsDrawFirst = kHeadDim >= 128;
   static_assert(kBlockM == 16 * kNWarps || kBlockM == 32 * kNWarps, "16 or 32 query rows per warp");
   static_assert(kBlockN % 16 == 0 && kHeadDim % 16 == 0, "the MMA tiles S and O exactly");
 

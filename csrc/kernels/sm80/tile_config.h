@@ -14,7 +14,7 @@ struct FwdTile {
   int kv_stages = 1;  // K and V buffers in shared memory (FwdTraits::kKVStages)
 };
 
-// The forward with every feature (softcap, ALiBi, dropout, packed batches, narrow head dims).
+// The forward with every feature (the score features, packed batches, narrow head dims).
 constexpr FwdTile fwd_tile(int head_dim) {
   // d = 64: 128x64, not FA2's 128x128: ptxas spills 40-292 B at 128x128 and none at 128x64;
   // measured 0.89-0.92x FA2 on the H200 (128x128: 0.80-0.86x).
@@ -25,7 +25,7 @@ constexpr FwdTile fwd_tile(int head_dim) {
   return head_dim <= 64 ? FwdTile{128, 64, 4} : head_dim <= 128 ? FwdTile{128, 32, 4} : FwdTile{128, 64, 8};
 }
 
-// The plain forward (PlainScores: no softcap, ALiBi, dropout, packed batch or narrow head dim)
+// The plain forward (PlainScores: no score feature, packed batch or narrow head dim)
 // has the registers the features took: at d = 96 / 128 it runs FlashAttention-2's 128 x 64 tile
 // (sm_90 SASS 0 B / 196 B of spills: 0.88-0.92x FA2 against 0.72-0.86x at 128 x 32, H200, bf16 and
 // fp16, 1k-8k, PERFLOG.md entry 93). At d = 64 FA2's 128 x 128 spilled 52 B and measured 1-3%

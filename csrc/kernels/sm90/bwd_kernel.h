@@ -122,7 +122,8 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
                                                    acc_dk, acc_dv);
     const SeqInfo seq(p, tile.batch);
     Epilogue::store(p, params.dk, acc_dk, p.softmax_scale, seq, head_kv, n_block, tid, shared.v.data());
-    Epilogue::store(p, params.dv, acc_dv, Dropout::keep_scale(p), seq, head_kv, n_block, tid, shared.v.data());
+    Epilogue::store(p, params.dv, acc_dv, ScorePolicy<AllScoreFeatures>::keep_scale(p), seq, head_kv, n_block, tid,
+                    shared.v.data());
   }
 }
 

@@ -51,7 +51,7 @@ BwdKernelParams<Traits> bwd_kernel_params(const BwdParams& params) {
            replace_address(kp.tma_k, params.k.ptr) && replace_address(kp.tma_v, params.v.ptr);
   });
   // Every per-call field is set here, not taken from the cached plan: the plan's key holds only
-  // what the descriptors depend on (a cached softcap or cu_seqlens pointer would be stale).
+  // what the descriptors depend on (a cached score parameter or cu_seqlens pointer would be stale).
   kp.problem = params.problem;
   const BwdWorkspace ws = bwd_workspace_layout(params.problem, params.deterministic, kFamilyArch);
   char* workspace = static_cast<char*>(params.workspace);
@@ -124,8 +124,8 @@ Status run_bwd_mainloop(const BwdParams& params, cudaStream_t stream) {
   return cuda_status(cudaGetLastError(), "sm90 backward dQ conversion launch");
 }
 
-// The calls without softcap, ALiBi and dropout (most of training) run the instantiation that has
-// none of them compiled in; the others run the one with all three.
+// The calls without any score feature (most of training, PlainScores::covers) run the
+// instantiation that has none of them compiled in; the others run the one with all of them.
 template <template <typename, typename> class Mainloop, typename Traits>
 Status run_bwd_features(const BwdParams& params, cudaStream_t stream) {
   if (PlainScores::covers(params.problem)) return run_bwd_mainloop<Mainloop<Traits, PlainScores>>(params, stream);
@@ -151,9 +151,10 @@ constexpr bool bwd_extended_gmma() {
   return BwdTraitsOf<kHeadDim, Element>::kExtendedGmma;
 }
 
-// Whether the features instantiation's steps hold tanh's derivative and ALiBi's slope (64-query
-// steps), so that it takes softcap with ALiBi: the generated translation unit checks it against
-// the generator's table (Family.softcap_alibi_bwd_head_dims).
+// Whether the features instantiation's steps hold the score policy's values (64-query steps,
+// ScorePolicy::Held), so that it takes every combination of the score features in one call: the
+// generated translation unit checks it against the generator's table
+// (Family.all_features_bwd_head_dims).
 template <int kHeadDim, typename Element>
 constexpr bool bwd_holds_feature_values() {
   return BwdTraitsOf<kHeadDim, Element>::kHoldsFeatureValues;

@@ -278,23 +278,21 @@ struct BwdMainloop {
       return RowStats<decltype(size<0>(rowcol_view(coords)))::value>(stats, rowcol_view(coords));
   }
 
-  // ALiBi's slope of a head where the step holds it (Traits::kHoldsFeatureValues), else unused.
-  __device__ static float head_slope(const Score& score) {
-    return Traits::kHoldsFeatureValues && score.alibi_on() ? score.alibi().slope() : 0.f;
-  }
+  // The values of a head that its steps hold (Traits::kHoldsFeatureValues; ScorePolicy::HeadValues).
+  using HeadValues = typename Score::template HeadValues<Traits::kHoldsFeatureValues>;
 
   // The first half of a consumer step, shared by every layout: S^T = K Q^T and dP^T = V dO^T
   // (or S and dP, Traits::kScoresTransposed) issued together (after their stage's loads), then in
-  // their accumulators P^T = exp2(S^T * scale_log2 - LSE) under the mask, while dP^T is computed,
-  // and dS^T = P^T (dP^T - D). Under dropout, dP^T is the GEMM's times mask times the keep scale,
-  // and P^T leaves with the dropped probabilities zeroed (for the dV GEMM). stats_offset: this
-  // warpgroup's first query in the step's LSE and D (kStatQueries of them).
+  // their accumulators P^T = exp2(S^T * scale_log2 - LSE) under the mask and the score policy's
+  // stages, while dP^T is computed, and dS^T = P^T (dP^T - D) with the policy's factors; P^T
+  // leaves as the dV GEMM takes it (ScorePolicy::probs_for_dv). stats_offset: this warpgroup's
+  // first query in the step's LSE and D (kStatQueries of them); head: the head's held values.
   template <int kStatQueries, typename TiledMma, typename FragKV, typename FragQ, typename Acc, typename Coords>
   __device__ static void scores(TiledMma& mma_sdp, const FragKV& tSrK, const FragQ& tSrQ, const FragKV& tdPrV,
                                 const FragQ& tdPrdO, Pipeline& pipeline_q, const PipelineState& st_q,
                                 Pipeline& pipeline_do, const PipelineState& st_do,
                                 typename Traits::SharedStorage& shared, int stats_offset, const Score& score,
-                                float alibi_slope, const Coords& tScS, int m, int n_block, float scale_log2, Acc& acc_s,
+                                HeadValues head, const Coords& tScS, int m, int n_block, float scale_log2, Acc& acc_s,
                                 Acc& acc_dp) {
     constexpr bool kT = Traits::kScoresTransposed;
     pipeline_q.consumer_wait(st_q);
@@ -309,16 +307,9 @@ struct BwdMainloop {
       gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_sdp, tdPrdO(_, _, _, st_do.index()), tdPrV, acc_dp);
     warpgroup_wait<1>();  // S^T done, dP^T running
     warpgroup_fence_operand(acc_s);
-    const bool softcap_on = score.softcap_on();
-    constexpr bool kHoldDtanh = Features::kSoftcap && Traits::kHoldsFeatureValues;
-    cute::array<uint32_t, kHoldDtanh ? decltype(size(acc_s))::value / 2 : 1> dt;  // 1 - t^2, fp16 pairs
+    typename Score::template Held<Traits::kHoldsFeatureValues, decltype(size(acc_s))::value> held(score);
     score.template before_softmax<kT>(acc_s, tScS, m * kBlockM, n_block * kBlockN,
-                                      score.mask.template block_needs_mask<kBlockM, kBlockN>(m, n_block), [&](Acc& s) {
-      if constexpr (kHoldDtanh)
-        score.softcap().tanh_scores(s, dt);
-      else
-        score.softcap().tanh_scores(s);
-    }, [&] { return Traits::kHoldsFeatureValues ? alibi_slope : score.alibi().slope(); });
+                                      score.mask.template block_needs_mask<kBlockM, kBlockN>(m, n_block), held, head);
     Tensor s = query_key_view(acc_s);
     const auto lse = query_stats<kStatQueries>(shared.lse_log2.data() + st_q.index() * kBlockM + stats_offset, tScS);
     CUTE_UNROLL
@@ -327,28 +318,19 @@ struct BwdMainloop {
       CUTE_UNROLL
       for (int ki = 0; ki < size<1>(s); ++ki) s(qi, ki) = exp2f(s(qi, ki) * scale_log2 - lse_q);
     }
-    // Drawn on P in place while dP^T runs: bits drawn before the GEMMs and held through them cost
-    // the backward without dropout 2-6% at d = 64 (PERFLOG.md entry 44).
-    score.template drop<kT, 8, 32>(s, query_key_view(tScS), m * kBlockM, n_block * kBlockN, Dropout::Negate{});
+    // On P in place while dP^T runs.
+    score.template bwd_probs<kT, 8, 32>(s, query_key_view(tScS), m * kBlockM, n_block * kBlockN);
     warpgroup_wait<0>();  // dP^T done
     warpgroup_fence_operand(acc_dp);
     Tensor ds = query_key_view(acc_dp);
     const auto dpsum = query_stats<kStatQueries>(shared.dpsum.data() + st_do.index() * kBlockM + stats_offset, tScS);
-    score.scores_grad(s, ds, [&](int qi) { return dpsum(qi); });
-    if constexpr (kHoldDtanh) {
-      if (softcap_on) {  // the gradient of x = scale * s: through tanh's derivative
-        CUTE_UNROLL
-        for (int i = 0; i < size(acc_dp); ++i) acc_dp(i) *= Softcap::held_dtanh(dt, i);
-      }
-    } else if (softcap_on) {  // as above, t recovered from P
-      // LSE loaded again from shared memory (still this stage's: Q's stage is released after the
-      // dK GEMM) rather than held through the dP^T wait: at d = 64 (128 queries per step) holding
-      // it spilled 216 B, in every call, softcap or not.
-      const auto lse_again =
-          query_stats<kStatQueries>(shared.lse_log2.data() + st_q.index() * kBlockM + stats_offset, tScS);
-      score.softcap_grad(s, ds, [&](int qi) { return lse_again(qi); });
-    }
-    score.dropped_to_zero(acc_s);  // P for the dV GEMM
+    // The LSE, where a factor needs it, loaded again from shared memory (still this stage's: Q's
+    // stage is released after the dK GEMM) rather than held through the dP^T wait: at d = 64 (128
+    // queries per step) holding it spilled 216 B, in every call, the factor on or not.
+    score.scores_grad(s, ds, [&](int qi) { return dpsum(qi); }, [&] {
+      return query_stats<kStatQueries>(shared.lse_log2.data() + st_q.index() * kBlockM + stats_offset, tScS);
+    }, acc_dp, held);
+    score.probs_for_dv(acc_s);
   }
 
   // Runs every step of the block for consumer thread `tid` (0 .. kNMmaThreads) and leaves its
@@ -400,7 +382,7 @@ struct BwdMainloop {
 #pragma unroll 1
     for (int h = steps.head_begin; h < steps.head_begin + steps.heads; ++h) {
       const Score score(params.problem, mask, steps.batch, h);
-      const float alibi_slope = head_slope(score);
+      const HeadValues head = score.template head_values<Traits::kHoldsFeatureValues>();
 #pragma unroll 1
       for (int m = steps.first(), end = steps.end(); m != end; m += steps.step, ++i) {
         if constexpr (kPacked) {
@@ -410,7 +392,7 @@ struct BwdMainloop {
         Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
         Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
         scores<kBlockM>(mma_sdp, tSrK, tSrQ, tdPrV, tdPrdO, pipeline_q, st_q, pipeline_do, st_do, shared, 0, score,
-                        alibi_slope, tScS, m, n_block, scale_log2, acc_s, acc_dp);
+                        head, tScS, m, n_block, scale_log2, acc_s, acc_dp);
         Tensor rP = convert_type<Element>(acc_s);
         Tensor rdS = convert_type<Element>(acc_dp);
         copy(r2s_ds, thr_r2s_ds.retile_S(rdS), tdSsdS(_, _, _, buf));

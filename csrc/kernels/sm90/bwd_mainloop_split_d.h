@@ -169,7 +169,7 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_, Features_> {
     for (int h = steps.head_begin; h < steps.head_begin + steps.heads; ++h) {
       const int64_t row = dq_row(params, steps, h, n_block);
       const typename Base::Score score(params.problem, mask, steps.batch, h);
-      const float alibi_slope = Base::head_slope(score);
+      const typename Base::HeadValues head = score.template head_values<Traits::kHoldsFeatureValues>();
 #pragma unroll 1
       for (int m = steps.first(), end = steps.end(); m != end; m += steps.step, ++i) {
         if constexpr (kPacked) {
@@ -179,7 +179,7 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_, Features_> {
         Tensor acc_s = partition_fragment_C(mma_sdp, typename Traits::ScoreShape{});
         Tensor acc_dp = partition_fragment_C(mma_sdp, typename Traits::ScoreShape{});
         Base::template scores<kQueriesPerWarpgroup>(mma_sdp, tSrK, tSrQ, tdPrV, tdPrdO, pipeline_q, st_q, pipeline_do,
-                                                    st_do, shared, query_offset, score, alibi_slope, tScS, m, n_block,
+                                                    st_do, shared, query_offset, score, head, tScS, m, n_block,
                                                     scale_log2, acc_s, acc_dp);
         Tensor rP = convert_type<Element>(acc_s);
         Tensor rdS = convert_type<Element>(acc_dp);

@@ -62,12 +62,9 @@ struct BwdTraitsBase {
   // blocks setmaxnreg.inc forever (seen: 32 + 240 hung the first GPU run).
   static constexpr int kProducerRegs = kNMmaWarpGroups == 2 ? 24 : 32;
   static constexpr int kConsumerRegs = kNMmaWarpGroups == 2 ? 240 : 160;
-  // 64-query steps (d >= 96) leave registers for values that a 128-query step (d = 64: S^T and
-  // dP^T already take 128 registers) recomputes instead: under softcap, tanh's derivative 1 - t^2
-  // held through the dP^T GEMM in 16 bits, half a register per score (at d = 64 recovered from P
-  // after it: Softcap::dtanh, a third MUFU operation per score); under ALiBi, the head's slope
-  // read once per head (at d = 64 once per step, between the S^T GEMM's wait and the
-  // exponentials: held, it cost the ALiBi backward there 3-8%, PERFLOG.md entry 65).
+  // 64-query steps (d >= 96) leave registers for the values the score policy lets a step hold
+  // through it (ScorePolicy::Held, HeadValues: which, and what holding them measured, there); a
+  // 128-query step (d = 64: S^T and dP^T already take 128 registers) recomputes them instead.
   static constexpr bool kHoldsFeatureValues = kBlockM <= 64;
 
   using WarpGroupsAlongM = Layout<Shape<Int<kNMmaWarpGroups>, _1, _1>>;

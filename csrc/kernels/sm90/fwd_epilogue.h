@@ -54,7 +54,8 @@ struct FwdEpilogue {
   // clips only at the packed tensor's end and would write the next sequence's first rows, so the
   // warpgroup copies the rows it owns in 16-byte stores. (Stored from the accumulators instead,
   // 2 bytes and 8 rows per warp instruction, every slab of a varlen batch cost the forward 4-14%:
-  // PERFLOG 45.) Not unrolled: unrolled, the dropout kernel at d = 64 spilled 312 B.
+  // PERFLOG 45.) Not unrolled: unrolled, the d = 64 kernel with the score policy's probability
+  // stage (FwdTraits::kProbsKernel) spilled 312 B.
   template <typename Params>
   __device__ __forceinline__ static void store_partial_slab(const Params& params, const Element* slab,
                                                             const TileCoord& tile, int wg, int tid) {

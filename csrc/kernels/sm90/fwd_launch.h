@@ -44,8 +44,8 @@ FwdKernelParams<Traits> fwd_kernel_params(const FwdParams& params) {
   const TmaPlanKey<4> key(params.problem, {&params.q, &params.k, &params.v, &params.o});
   return cached_kernel_params<FwdKernelParams<Traits>>(key, [&] { return make_fwd_kernel_params<Traits>(params); },
                                                        [&](FwdKernelParams<Traits>& kp) {
-    // Per-call fields: the plan's key holds only what the descriptors depend on (softcap and
-    // the cu_seqlens pointers of a cached problem would be stale).
+    // Per-call fields: the plan's key holds only what the descriptors depend on (the score
+    // parameters and the cu_seqlens pointers of a cached problem would be stale).
     kp.problem = params.problem;
     kp.o = params.o;
     kp.lse = params.lse;
@@ -93,8 +93,8 @@ constexpr bool fwd_extended_gmma() {
 template <int kHeadDim, typename Element>
 Status run_fwd(const FwdParams& params, cudaStream_t stream) {
   using Traits = FwdTraitsOf<kHeadDim, Element>;
-  if constexpr (Traits::kDropoutKernel) {
-    if (NoDropout::covers(params.problem)) return run_fwd_traits<Traits, NoDropout>(params, stream);
+  if constexpr (Traits::kProbsKernel) {
+    if (NoProbsStage::covers(params.problem)) return run_fwd_traits<Traits, NoProbsStage>(params, stream);
   }
   return run_fwd_traits<Traits>(params, stream);
 }

@@ -44,8 +44,8 @@ struct PingPong {
   }
 };
 
-// Features: the score modifiers compiled in (common/score_policy.h); without dropout where
-// Traits::kDropoutKernel gives dropout a kernel of its own.
+// Features: the score modifiers compiled in (common/score_policy.h); without the probability
+// stage where Traits::kProbsKernel gives it a kernel of its own.
 template <typename Traits_, typename Features_ = AllScoreFeatures>
 struct FwdMainloop {
   using Traits = Traits_;
@@ -227,17 +227,17 @@ struct FwdMainloop {
     auto scores = [&](auto& tSrS, int n_block, bool masked) {
       score.before_softmax(tSrS, tScS, row_offset, n_block * kBlockN, masked);
     };
-    // Dropout after max_and_exp, whose row sums are those of the undropped P: on the fp32 P while
-    // the previous P V GEMM runs, or on the 16-bit P after it (Traits::kDropoutOnP16).
-    constexpr int kAlign = Dropout::column_align(kBlockN);
-    auto drop_fp32 = [&](auto& s_rc, int n_block) {
-      if constexpr (!Traits::kDropoutOnP16)
-        score.template drop</*kTransposed=*/false, 8, kAlign>(s_rc, rowcol_view(tScS), row_offset, n_block * kBlockN,
-                                                              Dropout::Zero{});
+    // The probability stage after max_and_exp (whose row sums are those of P before it): on the
+    // fp32 P while the previous P V GEMM runs, or on the 16-bit P after it (Traits::kProbsOnP16).
+    constexpr int kAlign = Score::probs_align(kBlockN);
+    auto probs_fp32 = [&](auto& s_rc, int n_block) {
+      if constexpr (!Traits::kProbsOnP16)
+        score.template fwd_probs</*kTransposed=*/false, 8, kAlign>(s_rc, rowcol_view(tScS), row_offset,
+                                                                   n_block * kBlockN);
     };
-    auto drop_p16 = [&](int n_block) {
-      if constexpr (Traits::kDropoutOnP16)
-        score.template drop_p16<kAlign>(rowcol_view(rP), rowcol_view(tScS), row_offset, n_block * kBlockN);
+    auto probs_p16 = [&](int n_block) {
+      if constexpr (Traits::kProbsOnP16)
+        score.template fwd_probs16<kAlign>(rowcol_view(rP), rowcol_view(tScS), row_offset, n_block * kBlockN);
     };
 
     // Key blocks of the tile above this warpgroup's last row (a 192-row tile spans 1.5 key blocks
@@ -262,9 +262,9 @@ struct FwdMainloop {
       scores(tSrS, n_block, needs_mask(n_block));
       Tensor s_rc = rowcol_view(tSrS);
       softmax.template max_and_exp</*kFirst=*/true>(s_rc);
-      drop_fp32(s_rc, n_block);
+      probs_fp32(s_rc, n_block);
       to_p(tSrS);
-      drop_p16(n_block);
+      probs_p16(n_block);
     }
     for (int n = n_max - 1; n >= n_top; --n) pass_stage(pipeline_v, st.v);
     auto correction = make_tensor<float>(Shape<Int<Softmax::kRows>>{});
@@ -285,13 +285,13 @@ struct FwdMainloop {
       scores(tSrS, n_block, needs_mask(n_block));
       Tensor s_rc = rowcol_view(tSrS);
       correction = softmax.template max_and_exp</*kFirst=*/false>(s_rc);
-      drop_fp32(s_rc, n_block);
+      probs_fp32(s_rc, n_block);
       // P V ran behind the exponentials; it must be done before its P registers are rewritten.
       warpgroup_wait_all_after(softmax.row_sum(0) + softmax.row_sum(Softmax::kRows - 1));
       pipeline_v.consumer_release(st.v);
       ++st.v;
       to_p(tSrS);
-      drop_p16(n_block);
+      probs_p16(n_block);
     }
     release_q(shared);
     Softmax::rescale(acc_o_rc, correction);

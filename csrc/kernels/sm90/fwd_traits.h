@@ -33,17 +33,12 @@ struct FwdTraits {
   // 2 consumer warpgroups: 128 x 24 + 256 x 240 = 64512; 3: 128 x 32 + 384 x 160 = 65536.
   static constexpr int kProducerRegs = kNMmaWarpGroups == 2 ? 24 : 32;
   static constexpr int kConsumerRegs = kNMmaWarpGroups == 2 ? 240 : 160;
-  // Dropout in a kernel of its own at d = 64 and d >= 128, chosen at launch (the one without it
-  // is the kernel as it was, 0 B): with dropout's path in it the kernel spilled 8 B at d = 64 (the
-  // 16-score Philox calls beside 128-column S and P) and 8-76 B at d = 192 / 256 (PERFLOG.md
-  // entries 40-41), and at d = 128 the calls without dropout ran 3-14% slower (entry 88). The
-  // dropout kernels at d = 64 and d >= 192 zero the dropped scores of the 16-bit P once the
-  // previous block's P V GEMM is done (Dropout::zero_dropped_p16, 2.5 instructions per 2 scores):
-  // against the fp32 P under the GEMM (3 per score), d = 64 +14-15%, d = 256 +11-23% with one
-  // kernel at 0 B; at d = 128 the 16-bit P cost 5-11% (entry 65), so its dropout kernel keeps the
-  // fp32 path. At d = 96: one kernel, a runtime switch, the mask drawn on the fp32 P.
-  static constexpr bool kDropoutKernel = kHeadDim <= 64 || kHeadDim >= 128;
-  static constexpr bool kDropoutOnP16 = kHeadDim <= 64 || kHeadDim >= 192;
+  // The score policy's probability stage in a kernel of its own, chosen at launch (the other one,
+  // NoProbsStage, without it), and applied to the 16-bit P once the previous block's P V GEMM is
+  // done (ScorePolicy::fwd_probs16) rather than to the fp32 P under it (fwd_probs).
+  // score_policy.h says why at these head dims.
+  static constexpr bool kProbsKernel = kHeadDim <= 64 || kHeadDim >= 128;
+  static constexpr bool kProbsOnP16 = kHeadDim <= 64 || kHeadDim >= 192;
 
   // Each consumer warpgroup multiplies its own 64 query rows: one wgmma atom tall.
   using TileShapeQK = Shape<_64, Int<kBlockN>, Int<kHeadDim>>;  // S = Q K^T: (M, N, K=d)
