@@ -296,23 +296,17 @@ def _check_limits(q, k, varlen):
 _OPTIONAL = {"softcap": 0.0, "alibi_slopes": None, "dropout_p": 0.0, "rng_state": None, "sinks": None,
              "cu_seqlens_q": None, "cu_seqlens_k": None, "max_seqlen_q": 0, "max_seqlen_k": 0,
              "seqused_q": None, "seqused_k": None}
-_PACKING = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "seqused_q", "seqused_k")
-_SINKS_INDEX = 8 + list(_OPTIONAL).index("sinks")  # in the forward op's inputs
+_SINKS = list(_OPTIONAL).index("sinks")  # in _OPTIONAL; 8 + _SINKS in the forward op's inputs
+
+
+_DEFAULTS = tuple(_OPTIONAL.values())
 
 
 def _optional(passed):
-    """The optional arguments of an op call (positional, in _OPTIONAL's order) as a dict, those
-    not passed at their defaults."""
-    return dict(zip(_OPTIONAL, tuple(passed) + tuple(_OPTIONAL.values())[len(passed):]))
-
-
-def _packing(optional):
-    """Pops a packed batch's arguments from ``optional``: None for a dense batch, else
-    _fwd_impl's varlen tuple."""
-    cu_q, cu_k, max_q, max_k, used_q, used_k = (optional.pop(name, _OPTIONAL[name]) for name in _PACKING)
-    if cu_q is None and cu_k is None:
-        return None
-    return cu_q, cu_k, max_q, max_k, used_q, used_k
+    """The optional arguments of an op call (positional, in _OPTIONAL's order), completed with
+    the defaults of those not passed."""
+    passed = tuple(passed)
+    return passed + _DEFAULTS[len(passed):]
 
 
 def _views(varlen, *tensors):
@@ -327,23 +321,35 @@ def _views(varlen, *tensors):
     return tuple(None if t is None else t.unsqueeze(0) for t in tensors)
 
 
-def _forward(q, k, v, softmax_scale, window_left, window_right, arch, deterministic=False, **optional):
-    """The forward op's implementation: (out, lse) of a dense or (cu_seqlens) packed batch."""
-    varlen = _packing(optional)
-    out, lse = _fwd_impl(*_views(varlen, q, k, v), softmax_scale, window_left, window_right, arch,
-                         varlen=varlen, **optional)
-    return (out, lse) if varlen is None else (out.squeeze(0), lse)
+def _forward(q, k, v, softmax_scale, window_left, window_right, arch, deterministic=False, softcap=0.0,
+             alibi_slopes=None, dropout_p=0.0, rng_state=None, sinks=None, cu_seqlens_q=None, cu_seqlens_k=None,
+             max_seqlen_q=0, max_seqlen_k=0, seqused_q=None, seqused_k=None):
+    """The forward op's implementation: (out, lse) of a dense or (cu_seqlens) packed batch. The
+    arguments spelled out, in the op's order, rather than gathered in a dict: this runs on every
+    eager call."""
+    features = dict(softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_state=rng_state,
+                    sinks=sinks)
+    if cu_seqlens_q is None and cu_seqlens_k is None:
+        return _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, **features)
+    varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
+    out, lse = _fwd_impl(*_views(varlen, q, k, v), softmax_scale, window_left, window_right, arch, varlen=varlen,
+                         **features)
+    return out.squeeze(0), lse
 
 
-def _backward(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch, deterministic,
-              dq=None, dk=None, dv=None, **optional):
-    """The backward op's implementation: (dq, dk, dv, dsinks), written into dq / dk / dv where
-    given (_bwd_impl)."""
-    varlen = _packing(optional)
+def _backward(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch, deterministic, softcap=0.0,
+              alibi_slopes=None, dropout_p=0.0, rng_state=None, sinks=None, cu_seqlens_q=None, cu_seqlens_k=None,
+              max_seqlen_q=0, max_seqlen_k=0, seqused_q=None, seqused_k=None, dq=None, dk=None, dv=None):
+    """The backward op's implementation (arguments in its order): (dq, dk, dv, dsinks), written
+    into dq / dk / dv where given (_bwd_impl)."""
+    features = dict(softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_state=rng_state,
+                    sinks=sinks)
+    if cu_seqlens_q is None and cu_seqlens_k is None:
+        return _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch, deterministic,
+                         dq, dk, dv, **features)
+    varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
     grads = _bwd_impl(*_views(varlen, dout, q, k, v, out), lse, softmax_scale, window_left, window_right, arch,
-                      deterministic, *_views(varlen, dq, dk, dv), varlen=varlen, **optional)
-    if varlen is None:
-        return grads
+                      deterministic, *_views(varlen, dq, dk, dv), varlen=varlen, **features)
     return tuple(g.squeeze(0) if d is None else d for g, d in zip(grads[:3], (dq, dk, dv))) + grads[3:]
 
 
@@ -375,9 +381,9 @@ def fwd_op(
     seqused_q: Optional[_Tensor] = None,
     seqused_k: Optional[_Tensor] = None,
 ) -> tuple[_Tensor, _Tensor]:
-    return _forward(q, k, v, softmax_scale, window_left, window_right, arch, **_optional((
-        softcap, alibi_slopes, dropout_p, rng_state, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        seqused_q, seqused_k)))
+    return _forward(q, k, v, softmax_scale, window_left, window_right, arch, deterministic, softcap, alibi_slopes,
+                    dropout_p, rng_state, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
+                    seqused_k)
 
 
 @fwd_op.register_fake
@@ -497,9 +503,8 @@ def bwd_op(
     seqused_k: Optional[_Tensor] = None,
 ) -> tuple[_Tensor, _Tensor, _Tensor, _Tensor]:
     dq, dk, dv, dsinks = _backward(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch,
-                                   deterministic, **_optional((softcap, alibi_slopes, dropout_p, rng_state, sinks,
-                                                               cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                               max_seqlen_k, seqused_q, seqused_k)))
+                                   deterministic, softcap, alibi_slopes, dropout_p, rng_state, sinks, cu_seqlens_q,
+                                   cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
     # An op's outputs are tensors: no sinks gives an empty dsinks.
     return dq, dk, dv, q.new_empty(0, dtype=torch.float32) if dsinks is None else dsinks
 
@@ -528,9 +533,9 @@ def _setup_context(ctx, inputs, output):
 def _input_grads(ctx, dq, dk, dv, dsinks):
     """The gradients of the forward's inputs: q, k, v's, the sinks' (in their dtype) at their place."""
     grads = [dq, dk, dv] + [None] * (ctx.num_inputs - 3)
-    sinks = ctx.optional["sinks"]
+    sinks = ctx.optional[_SINKS]
     if sinks is not None:
-        grads[_SINKS_INDEX] = dsinks.to(sinks.dtype)
+        grads[8 + _SINKS] = dsinks.to(sinks.dtype)
     return tuple(grads)
 
 
@@ -543,7 +548,7 @@ def _backward_with(bwd):
         if dout is None:
             dout = torch.zeros_like(out)
         run = _bwd if torch.is_grad_enabled() else bwd
-        return _input_grads(ctx, *run(dout, q, k, v, out, lse, *ctx.args, **ctx.optional))
+        return _input_grads(ctx, *run(dout, q, k, v, out, lse, *ctx.args, *ctx.optional))
 
     return backward
 
@@ -570,7 +575,7 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, softmax_scale, window_left, window_right, arch, deterministic, *optional):
-        out, lse = _forward(q, k, v, softmax_scale, window_left, window_right, arch, **_optional(optional))
+        out, lse = _forward(q, k, v, softmax_scale, window_left, window_right, arch, deterministic, *optional)
         _setup_context(ctx, (q, k, v, softmax_scale, window_left, window_right, arch, deterministic, *optional),
                        (out, lse))
         return out, lse
@@ -611,10 +616,10 @@ def _attention(args, return_lse):
     q, k, v = args[:3]
     if not _plain_eager(q, k, v):
         out, lse = _fwd(*args)
-    elif torch.is_grad_enabled() and _needs_grad(q, k, v, args[_SINKS_INDEX]):
+    elif torch.is_grad_enabled() and _needs_grad(q, k, v, args[8 + _SINKS]):
         out, lse = _EagerAttention.apply(*args)
     else:
-        out, lse = _forward(*args[:8], **_optional(args[8:]))
+        out, lse = _forward(*args)
     return (out, lse) if return_lse else out
 
 

@@ -152,7 +152,7 @@ def _eager_flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, d
         (window_size_left, window_size_right), softcap, alibi_slopes, deterministic, seqused_k=seqused_k)
     _check_backward_args(q, k, v, dout, out, dq, dk, dv, dropout_p, rng_state)
     _ops._backward(dout.detach(), q.detach(), k.detach(), v.detach(), out.detach(), softmax_lse, scale, left, right,
-                   _dispatch.forced_arch(), deterministic, dq, dk, dv, softcap=float(softcap),
+                   _dispatch.forced_arch(), deterministic, dq=dq, dk=dk, dv=dv, softcap=float(softcap),
                    alibi_slopes=alibi_slopes, dropout_p=float(dropout_p),
                    rng_state=rng_state if dropout_p > 0 else None, cu_seqlens_q=cu_seqlens_q,
                    cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_q, max_seqlen_k=max_k, seqused_k=seqused_k)
