@@ -297,8 +297,6 @@ _OPTIONAL = {"softcap": 0.0, "alibi_slopes": None, "dropout_p": 0.0, "rng_state"
              "cu_seqlens_q": None, "cu_seqlens_k": None, "max_seqlen_q": 0, "max_seqlen_k": 0,
              "seqused_q": None, "seqused_k": None}
 _SINKS = list(_OPTIONAL).index("sinks")  # in _OPTIONAL; 8 + _SINKS in the forward op's inputs
-
-
 _DEFAULTS = tuple(_OPTIONAL.values())
 
 
