@@ -37,15 +37,13 @@ dispatch costs more per call than the kernel launch itself. Under torch.compile,
 FakeTensorMode it calls the ops.
 """
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from . import _dispatch, _validate, dropout
 from ._catalog import NARROW_HEAD_DIM
-
-_Tensor = torch.Tensor
 
 
 def _ref4(t):
@@ -293,11 +291,23 @@ def _check_limits(q, k, varlen):
 # cu_seqlens[b + 1]), max_seqlen_q / max_seqlen_k the longest sequences' lengths (needed: they
 # size the grid), seqused FlashAttention-3's rows in use of each slot; the LSE is then
 # (nheads, total_q).
-_OPTIONAL = {"softcap": 0.0, "alibi_slopes": None, "dropout_p": 0.0, "rng_state": None, "sinks": None,
-             "cu_seqlens_q": None, "cu_seqlens_k": None, "max_seqlen_q": 0, "max_seqlen_k": 0,
-             "seqused_q": None, "seqused_k": None}
-_SINKS = list(_OPTIONAL).index("sinks")  # in _OPTIONAL; 8 + _SINKS in the forward op's inputs
+_OPTIONAL_TYPES = {"softcap": ("float", 0.0), "alibi_slopes": ("Tensor?", None), "dropout_p": ("float", 0.0),
+                   "rng_state": ("Tensor?", None), "sinks": ("Tensor?", None), "cu_seqlens_q": ("Tensor?", None),
+                   "cu_seqlens_k": ("Tensor?", None), "max_seqlen_q": ("int", 0), "max_seqlen_k": ("int", 0),
+                   "seqused_q": ("Tensor?", None), "seqused_k": ("Tensor?", None)}
+_OPTIONAL = {name: default for name, (_, default) in _OPTIONAL_TYPES.items()}
+_INDEX = {name: i for i, name in enumerate(_OPTIONAL)}
+_SINKS = _INDEX["sinks"]  # 8 + _SINKS in the forward op's inputs
 _DEFAULTS = tuple(_OPTIONAL.values())
+
+
+def _schema(required, returns):
+    """An op's schema: ``required`` (torch's "Type name" pairs), then _OPTIONAL_TYPES."""
+    optional = ", ".join(f"{t} {name}={default}" for name, (t, default) in _OPTIONAL_TYPES.items())
+    return f"({required}, {optional}) -> {returns}"
+
+
+_REQUIRED = "float softmax_scale, int window_left, int window_right, int arch, bool deterministic"
 
 
 def _optional(passed):
@@ -357,37 +367,13 @@ def _lse_fake_shape(q, cu_seqlens_q, cu_seqlens_k):
     return (q.shape[1], q.shape[0])
 
 
-@torch.library.custom_op("cutlass_flash::fwd", mutates_args=())
-def fwd_op(
-    q: _Tensor,
-    k: _Tensor,
-    v: _Tensor,
-    softmax_scale: float,
-    window_left: int,
-    window_right: int,
-    arch: int,
-    deterministic: bool,
-    softcap: float = 0.0,
-    alibi_slopes: Optional[_Tensor] = None,
-    dropout_p: float = 0.0,
-    rng_state: Optional[_Tensor] = None,
-    sinks: Optional[_Tensor] = None,
-    cu_seqlens_q: Optional[_Tensor] = None,
-    cu_seqlens_k: Optional[_Tensor] = None,
-    max_seqlen_q: int = 0,
-    max_seqlen_k: int = 0,
-    seqused_q: Optional[_Tensor] = None,
-    seqused_k: Optional[_Tensor] = None,
-) -> tuple[_Tensor, _Tensor]:
-    return _forward(q, k, v, softmax_scale, window_left, window_right, arch, deterministic, softcap, alibi_slopes,
-                    dropout_p, rng_state, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
-                    seqused_k)
+fwd_op = torch.library.custom_op("cutlass_flash::fwd", _forward, mutates_args=(),
+                                 schema=_schema(f"Tensor q, Tensor k, Tensor v, {_REQUIRED}", "(Tensor, Tensor)"))
 
 
 @fwd_op.register_fake
-def _fwd_fake(q, k, v, softmax_scale, window_left, window_right, arch, deterministic, softcap=0.0,
-              alibi_slopes=None, dropout_p=0.0, rng_state=None, sinks=None, cu_seqlens_q=None, cu_seqlens_k=None,
-              max_seqlen_q=0, max_seqlen_k=0, seqused_q=None, seqused_k=None):
+def _fwd_fake(q, k, v, *args):
+    cu_seqlens_q, cu_seqlens_k = (_optional(args[5:])[_INDEX[n]] for n in ("cu_seqlens_q", "cu_seqlens_k"))
     out = q.new_empty(q.shape[:-1] + v.shape[-1:])
     return out, q.new_empty(_lse_fake_shape(q, cu_seqlens_q, cu_seqlens_k), dtype=torch.float32)
 
@@ -474,43 +460,21 @@ def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
     return grads + (dsinks,)
 
 
-
-@torch.library.custom_op("cutlass_flash::bwd", mutates_args=())
-def bwd_op(
-    dout: _Tensor,
-    q: _Tensor,
-    k: _Tensor,
-    v: _Tensor,
-    out: _Tensor,
-    lse: _Tensor,
-    softmax_scale: float,
-    window_left: int,
-    window_right: int,
-    arch: int,
-    deterministic: bool,
-    softcap: float = 0.0,
-    alibi_slopes: Optional[_Tensor] = None,
-    dropout_p: float = 0.0,
-    rng_state: Optional[_Tensor] = None,
-    sinks: Optional[_Tensor] = None,
-    cu_seqlens_q: Optional[_Tensor] = None,
-    cu_seqlens_k: Optional[_Tensor] = None,
-    max_seqlen_q: int = 0,
-    max_seqlen_k: int = 0,
-    seqused_q: Optional[_Tensor] = None,
-    seqused_k: Optional[_Tensor] = None,
-) -> tuple[_Tensor, _Tensor, _Tensor, _Tensor]:
-    dq, dk, dv, dsinks = _backward(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch,
-                                   deterministic, softcap, alibi_slopes, dropout_p, rng_state, sinks, cu_seqlens_q,
-                                   cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
+def _bwd_op(*args):
+    dq, dk, dv, dsinks = _backward(*args)
     # An op's outputs are tensors: no sinks gives an empty dsinks.
-    return dq, dk, dv, q.new_empty(0, dtype=torch.float32) if dsinks is None else dsinks
+    return dq, dk, dv, args[1].new_empty(0, dtype=torch.float32) if dsinks is None else dsinks
+
+
+bwd_op = torch.library.custom_op(
+    "cutlass_flash::bwd", _bwd_op, mutates_args=(),
+    schema=_schema(f"Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {_REQUIRED}",
+                   "(Tensor, Tensor, Tensor, Tensor)"))
 
 
 @bwd_op.register_fake
-def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch, deterministic, softcap=0.0,
-              alibi_slopes=None, dropout_p=0.0, rng_state=None, sinks=None, cu_seqlens_q=None, cu_seqlens_k=None,
-              max_seqlen_q=0, max_seqlen_k=0, seqused_q=None, seqused_k=None):
+def _bwd_fake(dout, q, k, v, out, lse, *args):
+    sinks = _optional(args[5:])[_SINKS]
     dsinks = q.new_empty(0 if sinks is None else sinks.shape[0], dtype=torch.float32)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
@@ -605,7 +569,6 @@ def _autocast(q, k, v):
     dtype = torch.get_autocast_dtype(device_type)
     return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype
                  else t for t in (q, k, v))
-
 
 
 def _attention(args, return_lse):
