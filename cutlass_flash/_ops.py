@@ -291,19 +291,18 @@ def _check_limits(q, k, varlen):
 # cu_seqlens[b + 1]), max_seqlen_q / max_seqlen_k the longest sequences' lengths (needed: they
 # size the grid), seqused FlashAttention-3's rows in use of each slot; the LSE is then
 # (nheads, total_q).
-_OPTIONAL_TYPES = {"softcap": ("float", 0.0), "alibi_slopes": ("Tensor?", None), "dropout_p": ("float", 0.0),
-                   "rng_state": ("Tensor?", None), "sinks": ("Tensor?", None), "cu_seqlens_q": ("Tensor?", None),
-                   "cu_seqlens_k": ("Tensor?", None), "max_seqlen_q": ("int", 0), "max_seqlen_k": ("int", 0),
-                   "seqused_q": ("Tensor?", None), "seqused_k": ("Tensor?", None)}
-_OPTIONAL = {name: default for name, (_, default) in _OPTIONAL_TYPES.items()}
+_OPTIONAL = {"softcap": ("float", 0.0), "alibi_slopes": ("Tensor?", None), "dropout_p": ("float", 0.0),
+             "rng_state": ("Tensor?", None), "sinks": ("Tensor?", None), "cu_seqlens_q": ("Tensor?", None),
+             "cu_seqlens_k": ("Tensor?", None), "max_seqlen_q": ("int", 0), "max_seqlen_k": ("int", 0),
+             "seqused_q": ("Tensor?", None), "seqused_k": ("Tensor?", None)}  # name: (schema type, default)
 _INDEX = {name: i for i, name in enumerate(_OPTIONAL)}
 _SINKS = _INDEX["sinks"]  # 8 + _SINKS in the forward op's inputs
-_DEFAULTS = tuple(_OPTIONAL.values())
+_DEFAULTS = tuple(default for _, default in _OPTIONAL.values())
 
 
 def _schema(required, returns):
-    """An op's schema: ``required`` (torch's "Type name" pairs), then _OPTIONAL_TYPES."""
-    optional = ", ".join(f"{t} {name}={default}" for name, (t, default) in _OPTIONAL_TYPES.items())
+    """An op's schema: ``required`` (torch's "Type name" pairs), then _OPTIONAL."""
+    optional = ", ".join(f"{t} {name}={default}" for name, (t, default) in _OPTIONAL.items())
     return f"({required}, {optional}) -> {returns}"
 
 
@@ -361,21 +360,18 @@ def _backward(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
     return tuple(g.squeeze(0) if d is None else d for g, d in zip(grads[:3], (dq, dk, dv))) + grads[3:]
 
 
-def _lse_fake_shape(q, cu_seqlens_q, cu_seqlens_k):
-    if cu_seqlens_q is None and cu_seqlens_k is None:
-        return (q.shape[0], q.shape[2], q.shape[1])
-    return (q.shape[1], q.shape[0])
-
-
 fwd_op = torch.library.custom_op("cutlass_flash::fwd", _forward, mutates_args=(),
                                  schema=_schema(f"Tensor q, Tensor k, Tensor v, {_REQUIRED}", "(Tensor, Tensor)"))
 
 
 @fwd_op.register_fake
 def _fwd_fake(q, k, v, *args):
-    cu_seqlens_q, cu_seqlens_k = (_optional(args[5:])[_INDEX[n]] for n in ("cu_seqlens_q", "cu_seqlens_k"))
+    optional = _optional(args[5:])
+    varlen = optional[_INDEX["cu_seqlens_q"]:]  # _fwd_impl's varlen tuple: the packing arguments, in order
+    if varlen[0] is None and varlen[1] is None:
+        varlen = None
     out = q.new_empty(q.shape[:-1] + v.shape[-1:])
-    return out, q.new_empty(_lse_fake_shape(q, cu_seqlens_q, cu_seqlens_k), dtype=torch.float32)
+    return out, q.new_empty(_lse_shape(*_views(varlen, q), varlen), dtype=torch.float32)
 
 
 def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, arch,

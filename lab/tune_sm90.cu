@@ -7,7 +7,7 @@
 //        -gencode arch=compute_90a,code=sm_90a -Icsrc -Icsrc/include -I<cutlass>/include \
 //        lab/tune_sm90.cu -o tune128 && ./tune128
 //
-// -DTUNE_FP16 times fp16 instead; -DTUNE_FEATURES=NoDropout the kernel without dropout's path (the
+// -DTUNE_FP16 times fp16 instead; -DTUNE_FEATURES=NoProbsStage the kernel without dropout's path (the
 // plain kernel of a head dim with a dropout kernel of its own, FwdTraits::kDropoutKernel).
 // Environment: TUNE_SEQLENS (comma list, default 1024,2048,4096,8192),
 // TUNE_CAUSAL (0 or 1; both when unset), TUNE_ITERS (timed launches, default 20), TUNE_GROUPS

@@ -11,6 +11,7 @@ import cutlass_flash
 from attn_ref import assert_within_tolerance, reference_outputs, slack
 from cases import Case, kernel_archs
 from gpu_check import skip_if_not_built
+from test_varlen import _cu, _reference
 
 NAMES = ("out", "lse", "dq", "dk", "dv")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -55,10 +56,6 @@ LENGTHS_Q = (1, 17, 0, 130, 33)
 LENGTHS_K = (20, 1, 4, 100, 257)
 
 
-def _cu(lengths, device):
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
-
-
 def _check_packed(device, arch, dqk, dv, dtype, causal):
     lq, lk, nheads, nheads_kv = LENGTHS_Q, LENGTHS_K, 4, 2
     q, k, v, dout = _inputs(sum(lq), sum(lk), nheads, nheads_kv, dqk, dv, DTYPES[dtype], device, seed=dqk)
@@ -71,21 +68,7 @@ def _check_packed(device, arch, dqk, dv, dtype, causal):
         ours = (out, lse) + torch.autograd.grad(out, (q, k, v), dout)
 
     def reference(dtype_ref):
-        """The packed layouts, sequence by sequence; lse +inf on the rows of no key."""
-        outs = [torch.zeros(t.shape, dtype=dtype_ref or t.dtype, device=device) for t in (v.new_empty(
-            dout.shape), q, k, v)]
-        lse_ref = torch.full((nheads, q.shape[0]), float("inf"), dtype=torch.float64 if dtype_ref else torch.float32,
-                             device=device)
-        for b in range(len(lq)):
-            sq, sk = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
-            if lq[b] == 0:
-                continue
-            o, l_, dq_, dk_, dv_ = reference_outputs(q[sq][None], k[sk][None], v[sk][None], dout[sq][None],
-                                                     dtype=dtype_ref, window=(-1, 0) if causal else (-1, -1))
-            for dest, part, rows in zip(outs, (o, dq_, dk_, dv_), (sq, sq, sk, sk)):
-                dest[rows] = part[0]
-            lse_ref[:, sq] = l_[0]
-        return outs[0], lse_ref, outs[1], outs[2], outs[3]
+        return _reference(q, k, v, dout, cu_q, cu_k, lq, lk, dtype_ref, (-1, 0) if causal else (-1, -1))
 
     _check(ours, reference(None), reference(torch.float64), max(lq) * nheads // nheads_kv, max(dqk, dv),
            f"packed sm{arch} ({dqk}, {dv}) {dtype}")

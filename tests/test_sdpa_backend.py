@@ -178,6 +178,12 @@ def _pytorch_flash(names):
     return any("pytorch_flash" in n or "flash_fwd_kernel" in n for n in names)
 
 
+def _assert_bitwise(ours, ref, what):
+    """out, dq, dk, dv of a PyTorch entry point (``what``) equal to our functions' bit for bit."""
+    for name, a, b in zip(("out", "dq", "dk", "dv"), ours, ref):
+        assert torch.equal(a, b), f"{name}: max |{what} - ours| = {(a.float() - b.float()).abs().max().item():.3g}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("gqa", [False, True])
@@ -203,8 +209,7 @@ def test_sdpa_runs_our_kernels(active, causal, gqa, dropout_p):
     leaves = [t.transpose(1, 2) for t in (q, k, v)]
     ref = cutlass_flash.flash_attn_func(*leaves, causal=causal, dropout_p=dropout_p, deterministic=True)
     ref = (ref.transpose(1, 2),) + torch.autograd.grad(ref, (q, k, v), dout.transpose(1, 2))
-    for name, a, b in zip(("out", "dq", "dk", "dv"), ours, ref):
-        assert torch.equal(a, b), f"{name}: max |SDPA - ours| = {(a.float() - b.float()).abs().max().item():.3g}"
+    _assert_bitwise(ours, ref, "SDPA")
 
 
 @pytest.mark.gpu
@@ -256,8 +261,7 @@ def test_varlen_attn_runs_our_kernels(active):
         ours = run()
     ref = cutlass_flash.flash_attn_varlen_func(q, k, v, cu, cu, 900, 900, causal=True, deterministic=True)
     ref = (ref,) + torch.autograd.grad(ref, (q, k, v), dout)
-    for name, a, b in zip(("out", "dq", "dk", "dv"), ours, ref):
-        assert torch.equal(a, b), f"{name}: max |varlen_attn - ours| = {(a.float() - b.float()).abs().max().item():.3g}"
+    _assert_bitwise(ours, ref, "varlen_attn")
 
 
 @pytest.mark.gpu
@@ -295,8 +299,7 @@ def test_nested_jagged_sdpa_runs_our_kernels(active):
     ref = cutlass_flash.flash_attn_varlen_func(*leaves, cu, cu, max(lengths), max(lengths), causal=True,
                                                deterministic=True)
     ref = (ref,) + torch.autograd.grad(ref, leaves, values[3])
-    for name, a, b in zip(("out", "dq", "dk", "dv"), ours, ref):
-        assert torch.equal(a, b), f"{name}: max |SDPA - ours| = {(a.float() - b.float()).abs().max().item():.3g}"
+    _assert_bitwise(ours, ref, "SDPA")
 
 
 @pytest.mark.gpu

@@ -186,8 +186,8 @@ def test_varlen_op_under_make_fx(fake_backend):
 def _reference(q, k, v, dout, cu_q, cu_k, lengths_q, lengths_k, dtype, mask, slopes=None, sinks=None):
     """(out, lse, dq, dk, dv) in the packed layouts, attention_ref sequence by sequence; with
     sinks, dsinks summed over the sequences after them, and lse = the sink on the rows of a
-    sequence without keys."""
-    outs = [torch.zeros_like(t, dtype=dtype or t.dtype) for t in (q, q, k, v)]
+    sequence without keys. out is shaped like dout (v's head dim where it differs from q's)."""
+    outs = [torch.zeros_like(t, dtype=dtype or t.dtype) for t in (dout, q, k, v)]
     out, dq, dk, dv = outs
     lse = torch.full((q.shape[1], q.shape[0]), float("inf"), dtype=torch.float64 if dtype else torch.float32,
                      device=q.device)

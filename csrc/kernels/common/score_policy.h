@@ -55,7 +55,6 @@ using AllScoreFeatures = ScoreFeatures<true, true, true>;
 // (PERFLOG.md entries 40-41), and at d = 128 the calls without dropout ran 3-14% slower (entry
 // 88); the one without it is the kernel as it was, 0 B. At d = 96: one kernel, a runtime switch.
 using NoProbsStage = ScoreFeatures<true, true, false>;
-using NoDropout = NoProbsStage;  // lab/tune_sm90.cu's -DTUNE_FEATURES=NoDropout
 using PlainScores = ScoreFeatures<false, false, false>;
 
 // Host checks of a call's score fields: why they cannot run (an error message without the
