@@ -24,12 +24,10 @@ OUT=${OUT:-/tmp/cutlass_flash_out}
 LOGS=/tmp/ampere_logs
 mkdir -p "$OUT" "$LOGS"
 [ -d /tmp/fa3/hopper ] && FA3_PATH=/tmp/fa3/hopper
-python3 -c "import cutlass_flash._C" 2>/dev/null ||
-  CUTLASS_FLASH_BINDING_ONLY=1 python3 setup.py build_ext --inplace >"$LOGS/build.log" 2>&1 || tail -20 "$LOGS/build.log"
-
 # Fewer than 4 GPUs (a 2-GPU machine): GPU g's work goes to GPU g % NGPU, two processes per GPU.
 TEST_TIMEOUT=${TEST_TIMEOUT:-420}
 . lab/device_lib.sh
+binding
 
 case "${PHASE:-tests}" in
   tests)
@@ -70,8 +68,7 @@ case "${PHASE:-tests}" in
     ;;
   bench)
     if [ -n "${BASE_TREE:-}" ]; then
-      (cd "$BASE_TREE" && CUTLASS_FLASH_BINDING_ONLY=1 python3 setup.py build_ext --inplace >"$LOGS/build_base.log" 2>&1) ||
-        tail -20 "$LOGS/build_base.log"
+      binding "$BASE_TREE"
     fi
     root=$PWD
     # VAR_LIB: another kernel library of this tree (a tile variant), timed after this one on the

@@ -13,10 +13,9 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/cutlass_flash_out}
 LOGS=$OUT/logs
 mkdir -p "$LOGS"
-python3 -c "import cutlass_flash._C" 2>/dev/null ||
-  CUTLASS_FLASH_BINDING_ONLY=1 python3 setup.py build_ext --inplace >"$LOGS/build.log" 2>&1 || tail -20 "$LOGS/build.log"
 TEST_TIMEOUT=${TEST_TIMEOUT:-540}
 . lab/device_lib.sh
+binding
 {
   nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version())"

@@ -5,10 +5,10 @@
 #   OUT=$OUT bash lab/device_sched97.sh     (the library built here, carried)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 L=/tmp/f97; mkdir -p $L
-python3 -c "import cutlass_flash._C" 2>/dev/null || CUTLASS_FLASH_BINDING_ONLY=1 python3 setup.py build_ext --inplace > $L/bind.log 2>&1
 G="--head-dims 64,128,256 --seqlens 1024,2048,4096,8192,16384 --budget-ms 40 --no-plot"
 LOGS=$L TEST_TIMEOUT=${TEST_TIMEOUT:-200}
 . lab/device_lib.sh
+binding
 (CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m cutlass_flash.benchmark --arch 80 --impls ours,sdpa-flash --dtype bf16 $G --rounds 5 --tag sm80-bf16-97 --out $L > $L/b0.log 2>&1; echo "bf16 rc $?"; shard 0 acc 80 tests/test_gpu_accuracy.py tests/test_sinks.py) > $L/g0.txt &
 (CUDA_VISIBLE_DEVICES=1 timeout 200 python3 -m cutlass_flash.benchmark --arch 80 --impls ours,sdpa-flash --dtype fp16 $G --rounds 3 --tag sm80-fp16-97 --out $L > $L/b1.log 2>&1; echo "fp16 rc $?"; shard 1 misc 80 tests/test_gpu_misc.py tests/test_hardening.py tests/test_dropout.py tests/test_lowlevel.py tests/test_seqused.py) > $L/g1.txt &
 wait; cat $L/g0.txt $L/g1.txt; grep -h "^FAILED" $L/tests-*.log | head

@@ -21,12 +21,11 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/cutlass_flash_out}
 LOGS=/tmp/sinks_logs
 mkdir -p "$OUT" "$LOGS"
-python3 -c "import cutlass_flash._C" 2>/dev/null ||
-  CUTLASS_FLASH_BINDING_ONLY=1 python3 setup.py build_ext --inplace >"$LOGS/build.log" 2>&1 || tail -20 "$LOGS/build.log"
-python3 -c "import ring_flash_attn" 2>/dev/null || python3 -m pip install --no-deps --no-index .carry/wheels/ring_flash_attn-*.whl \
-  >"$LOGS/pip.log" 2>&1 || tail -5 "$LOGS/pip.log"
 TEST_TIMEOUT=${TEST_TIMEOUT:-500}
 . lab/device_lib.sh
+binding
+python3 -c "import ring_flash_attn" 2>/dev/null || python3 -m pip install --no-deps --no-index .carry/wheels/ring_flash_attn-*.whl \
+  >"$LOGS/pip.log" 2>&1 || tail -5 "$LOGS/pip.log"
 
 case "${PHASE:-tests}" in
   tests)
@@ -52,8 +51,7 @@ case "${PHASE:-tests}" in
     tail -3 "$LOGS/fa3.txt"
     ;;
   bench)
-    (cd "$BASE_TREE" && CUTLASS_FLASH_BINDING_ONLY=1 python3 setup.py build_ext --inplace >"$LOGS/build_base.log" 2>&1) ||
-      tail -20 "$LOGS/build_base.log"
+    binding "$BASE_TREE"
     root=$PWD
     [ -f "$LOGS/fa3_build.done" ] && FA3_PATH=/tmp/fa3/hopper
     GRID80=${GRID80:---head-dims 64,128,256 --seqlens 1024,2048,4096,8192,16384 --rounds 3 --budget-ms 40}

@@ -5,22 +5,18 @@ A B B A.
     python lab/sinks_cost.py [--archs 90,80] [--out DIR]
 """
 import argparse
+import contextlib
 import os
 import statistics
 
 import torch
 
 import cutlass_flash
+from cutlass_flash.benchmark import _batch_ms
 
 
 def batch_ms(fn, n):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / n
+    return _batch_ms(fn, contextlib.nullcontext, n)
 
 
 def ratio(with_fn, without_fn, rounds, budget_ms=20.0):
