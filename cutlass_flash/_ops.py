@@ -164,6 +164,7 @@ def plan(q, k, direction="fwd", *, v=None, softcap=0.0, alibi_slopes=None, cu_se
         q, k = q.unsqueeze(0), k.unsqueeze(0)
         varlen = (cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), None, None)
     head_dim_v = q.shape[-1] if v is None else v.shape[-1]
+    _validate.check_head_dim_v(head_dim_v)
     return _plan(direction, q, k, _dispatch.forced_arch(), softcap, alibi_slopes, varlen, head_dim_v)
 
 

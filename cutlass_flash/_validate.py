@@ -137,9 +137,7 @@ def _check_inputs_detailed(q, k, v, compiling):
         raise ValueError(
             f"k and v must have the same (batch, seqlen, nheads), got k {tuple(k.shape)} and v {tuple(v.shape)}"
         )
-    if not 1 <= v.shape[3] <= _dispatch.MAX_HEAD_DIM:
-        raise ValueError(f"v's head_dim (last dim) must be between 1 and {_dispatch.MAX_HEAD_DIM}, got "
-                         f"{v.shape[3]}")
+    check_head_dim_v(v.shape[3])
     if batch_k != batch:
         raise ValueError(
             f"k and v must have q's batch size: q {tuple(q.shape)} has batch {batch}, "
@@ -190,6 +188,12 @@ def _check_inputs_detailed(q, k, v, compiling):
         )
     if not compiling:
         _dispatch.check_capability(device)
+
+
+def check_head_dim_v(head_dim_v):
+    """ValueError unless v's head dim (its last dim, which may differ from q's) is 1 to 256."""
+    if not 1 <= head_dim_v <= _dispatch.MAX_HEAD_DIM:
+        raise ValueError(f"v's head_dim (last dim) must be between 1 and {_dispatch.MAX_HEAD_DIM}, got {head_dim_v}")
 
 
 def check_softmax_scale(softmax_scale, head_dim):

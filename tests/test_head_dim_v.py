@@ -99,6 +99,9 @@ def test_head_dim_v_checks(fake_backend):
     q = torch.empty(1, 8, 2, 192, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="v's head_dim"):
         cutlass_flash.flash_attn_func(q, q, torch.empty(1, 8, 2, 264, dtype=torch.bfloat16))
+    for bad in (0, 264):
+        with pytest.raises(ValueError, match="v's head_dim"):
+            cutlass_flash.plan(q, q, v=torch.empty(1, 8, 2, bad, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"k and v must have the same \(batch, seqlen, nheads\)"):
         cutlass_flash.flash_attn_func(q, q, torch.empty(1, 9, 2, 128, dtype=torch.bfloat16))
 
