@@ -47,6 +47,16 @@ struct WindowMask {
     }
   }
 
+  // The lowest key block that a left window leaves whole for every row of the query block: key
+  // blocks below it are masked on the left (block_needs_mask's third case), those from it on are
+  // not. 0 without a left window.
+  template <int kBlockM, int kBlockN>
+  __host__ __device__ int n_block_left_whole(int m_block) const {
+    if (!has_left()) return 0;
+    const int edge = m_block * kBlockM + kBlockM - 1 + diag() - window_left;  // first column row m_last sees
+    return edge <= 0 ? 0 : (edge + kBlockN - 1) / kBlockN;
+  }
+
   // Query blocks [m_min, m_max) that the key rows [n_begin, n_begin + kBlockN) are seen by.
   template <int kBlockM, int kBlockN>
   __host__ __device__ void m_block_range(int n_block, int& m_min, int& m_max) const {
