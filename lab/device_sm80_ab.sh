@@ -6,7 +6,8 @@
 #       alternating new, base, new, base (AB_ARGS: the benchmark's grid, default the forward at
 #       d = 64 / 128 / 256, 1k / 2k / 8k, causal and not); then the sm80 GPU tests (TESTS)
 #   PHASE=grid OUT=$OUT bash lab/device_sm80_ab.sh
-#       issue 32's grid: bf16 and fp16, forward, backward and both, d = 64 / 128 / 256, 1k-16k
+#       issue 32's grid: bf16 and fp16, forward, backward and both, d = 64 / 128 / 256, 1k-16k;
+#       then the sm80 GPU tests of TESTS where given
 #
 # Tables and logs go to $OUT as one tarball (the device tool returns at most 8 files).
 set -u
@@ -40,6 +41,8 @@ case "${PHASE:-ab}" in
       bench "$root" "sm80-grid-$dt" --dtype "$dt" --head-dims 64,128,256 --seqlens 1024,2048,4096,8192,16384 --rounds 5 \
         --budget-ms 40
     done
+    # shellcheck disable=SC2086
+    [ -n "${TESTS:-}" ] && shard 0 sm80-tests 80 $TESTS
     ;;
 esac
 tar -C "$OUT" -czf "$OUT/sm80.tgz" sm80 && rm -rf "$LOGS"
