@@ -48,7 +48,8 @@ def main():
                 fl = attention_flops(b, h, s, s, d, False, "fwd")
                 t = {k_: fl / m / 1e9 for k_, m in ms.items()}
                 name = "b h s d" if head_major else "b s h d"
-                print(f"| {d} | {s} | {name} | {t['ours']:.1f} | {t['fa2']:.1f} | {t['ours'] / t['fa2']:.3f} |", flush=True)
+                ratio = t["ours"] / t["fa2"]
+                print(f"| {d} | {s} | {name} | {t['ours']:.1f} | {t['fa2']:.1f} | {ratio:.3f} |", flush=True)
 
 
 if __name__ == "__main__":
