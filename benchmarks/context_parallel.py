@@ -16,6 +16,7 @@ Writes context-parallel.md to --out (rank 0).
 """
 
 import argparse
+import contextlib
 import datetime
 import os
 import statistics
@@ -47,10 +48,11 @@ def inputs(seqlen, nheads, nheads_kv, head_dim, seed=0):
     return [torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=g) for s in shapes]
 
 
-def run_context_parallel(mesh, q, k, v, dout, causal, backend):
-    """Forward + backward of SDPA under context_parallel on (1, S, H, D) tensors; backend
-    "cutlass_flash" or "pytorch" (its default flash kernels). Returns the local out, dq, dk, dv
-    (B, H, S/world, D) in the load balancer's order."""
+@contextlib.contextmanager
+def context_parallel_shards(mesh, q, k, v, dout, causal, backend):
+    """Inside: the (B, H, S/world, D) shards of q, k, v, dout in the load balancer's order, under
+    context_parallel with SDPA's flash backend on `backend`: "cutlass_flash" or "pytorch" (its
+    default flash kernels)."""
     from torch.distributed.tensor.experimental import context_parallel
     from torch.distributed.tensor.experimental._attention import _cp_options
 
@@ -61,15 +63,27 @@ def run_context_parallel(mesh, q, k, v, dout, causal, backend):
     try:
         bufs = [t.transpose(1, 2).contiguous() for t in (q, k, v, dout)]  # (B, H, S, D)
         with context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2, 2, 2, 2], no_restore_buffers=set(bufs)):
-            ql, kl, vl = (t.detach().requires_grad_() for t in bufs[:3])
             with attention.sdpa_kernel(attention.SDPBackend.FLASH_ATTENTION):
-                out = F.scaled_dot_product_attention(ql, kl, vl, is_causal=causal,
-                                                     enable_gqa=kl.shape[1] != ql.shape[1])
-            out.backward(bufs[3])
-        return out.detach(), ql.grad, kl.grad, vl.grad
+                yield bufs
     finally:
         if backend == "cutlass_flash":
             attention.restore_flash_attention_impl()
+
+
+def attention_step(bufs, causal):
+    """Forward + backward of SDPA on the shards; the local out, dq, dk, dv."""
+    ql, kl, vl = (t.detach().requires_grad_() for t in bufs[:3])
+    out = F.scaled_dot_product_attention(ql, kl, vl, is_causal=causal, enable_gqa=kl.shape[1] != ql.shape[1])
+    out.backward(bufs[3])
+    return out.detach(), ql.grad, kl.grad, vl.grad
+
+
+def run_context_parallel(mesh, q, k, v, dout, causal, backend):
+    """Forward + backward of SDPA under context_parallel on (1, S, H, D) tensors, the sharding of
+    the four full tensors included. Returns the local out, dq, dk, dv (B, H, S/world, D) in the
+    load balancer's order."""
+    with context_parallel_shards(mesh, q, k, v, dout, causal, backend) as bufs:
+        return attention_step(bufs, causal)
 
 
 def zigzag(t, rank, world):
@@ -180,6 +194,21 @@ def speed(mesh, ring, seqlen, nheads, reps):
     for name, fn in runs.items():
         try:
             results[name] = timed(fn, reps)
+        except Exception as e:
+            log(f"{name} at {seqlen}: {type(e).__name__}: {str(e)[:300]}")
+            results[name] = (float("nan"), float("nan"))
+    # Per attention call, the shards made once: what each layer of a model pays, whose inputs
+    # context_parallel shards once per step. The rows above shard the four full tensors in every
+    # call: at 128k tokens that gather and its copies took about 15 of rank 0's 237 ms
+    # (results/cp-profile-131072-99.txt).
+    def per_call(backend):  # the shards live in this frame only, not through the ring's run
+        with context_parallel_shards(mesh, q, k, v, dout, True, backend) as bufs:
+            return timed(lambda: attention_step(bufs, True), reps)
+
+    for backend in ("cutlass_flash", "pytorch"):
+        name = f"context_parallel ({backend}), per call"
+        try:
+            results[name] = per_call(backend)
         except Exception as e:
             log(f"{name} at {seqlen}: {type(e).__name__}: {str(e)[:300]}")
             results[name] = (float("nan"), float("nan"))
