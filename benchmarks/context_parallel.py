@@ -242,7 +242,7 @@ def speedup_svg(rows):
         if len(cells) >= 5 and cells[0].isdigit() and "single" not in cells[1]:
             data.setdefault(cells[1], {})[int(cells[0])] = float(cells[4])
     seqlens = sorted({n for runs in data.values() for n in runs})
-    colors = ["#1f77b4", "#aaaaaa", "#2ca02c", "#d62728"]
+    colors = ["#1f77b4", "#aaaaaa", "#17becf", "#dddddd", "#d62728", "#2ca02c"]
     width, height, left, bottom, top = 560, 300, 50, 40, 20
     group = (width - left - 20) / max(len(seqlens), 1)
     bar = group * 0.8 / max(len(data), 1)
@@ -262,14 +262,14 @@ def speedup_svg(rows):
             if n in runs:
                 v = runs[n]
                 parts.append(f'<rect x="{x0 + j * bar:.1f}" y="{y(v):.1f}" width="{bar * 0.9:.1f}" '
-                             f'height="{y(0) - y(v):.1f}" fill="{colors[j % 4]}"/>'
+                             f'height="{y(0) - y(v):.1f}" fill="{colors[j % len(colors)]}"/>'
                              f'<text x="{x0 + (j + 0.45) * bar:.1f}" y="{y(v) - 4:.1f}" text-anchor="middle">{v:.2f}'
                              '</text>')
         parts.append(f'<text x="{x0 + group * 0.4:.1f}" y="{height - bottom + 18}" text-anchor="middle">'
                      f'{n // 1024}k tokens</text>')
     for j, name in enumerate(data):
         yy = height + 20 * j
-        parts.append(f'<rect x="{left}" y="{yy - 10}" width="12" height="12" fill="{colors[j % 4]}"/>'
+        parts.append(f'<rect x="{left}" y="{yy - 10}" width="12" height="12" fill="{colors[j % len(colors)]}"/>'
                      f'<text x="{left + 18}" y="{yy}">{name}: speed-up over our op on one GPU</text>')
     parts.append("</svg>")
     return "\n".join(parts) + "\n"
