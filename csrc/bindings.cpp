@@ -73,6 +73,7 @@ const Field kProblemFields[] = {
     {"nheads_kv", true, [](AttnProblem& p, py::handle v) { p.nheads_kv = v.cast<int>(); }},
     {"head_dim", true, [](AttnProblem& p, py::handle v) { p.head_dim = v.cast<int>(); }},
     {"head_dim_real", false, [](AttnProblem& p, py::handle v) { p.head_dim_real = v.cast<int>(); }},
+    {"head_dim_v", false, [](AttnProblem& p, py::handle v) { p.head_dim_v = v.cast<int>(); }},
     {"softmax_scale", true, [](AttnProblem& p, py::handle v) { p.softmax_scale = v.cast<float>(); }},
     {"window_left", true, [](AttnProblem& p, py::handle v) { p.window_left = v.cast<int>(); }},
     {"window_right", true, [](AttnProblem& p, py::handle v) { p.window_right = v.cast<int>(); }},

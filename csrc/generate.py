@@ -98,6 +98,14 @@ class Family:
     # (FlashAttention-3's causal order, sm90/bwd_kernel.h), and so keeps one copy up to
     # BWD_DQ_GROUPS_MIN_SEQLEN_K_RIGHT_BOUNDED keys there.
     bwd_walks_up: bool = False
+    # (direction, head_dim, head_dim_v): kernels whose V and O have a head dim of their own
+    # (AttnProblem::head_dim_v), compiled into the head_dim instantiation's translation unit. Other
+    # pairs run at the larger head dim with the narrower side zero-padded (cutlass_flash/_ops.py).
+    head_dims_v: Tuple[Tuple[str, int, int], ...] = ()
+
+    def dims_v(self, direction: str, head_dim: int) -> Tuple[int, ...]:
+        """V's head dims with kernels of their own at (direction, head_dim)."""
+        return tuple(v for d, h, v in self.head_dims_v if d == direction and h == head_dim)
 
     def all_features_dims(self, direction: str) -> Tuple[int, ...]:
         """Head dims whose `direction` kernels take every combination of the score features
@@ -148,6 +156,9 @@ FAMILIES: Tuple[Family, ...] = (
            fwd_workspace_bytes=16,
            bwd_walks_up=True,
            all_features_bwd_head_dims=tuple(d for d in HEAD_DIMS if d >= 96),
+           # MLA's (192, 128) (DeepSeek-V3): the forward's P V GEMM and O a third narrower than on
+           # the d = 192 kernel with V zero-padded (sm90/tile_config.h).
+           head_dims_v=(("fwd", 192, 128),),
            # TMA over the packed tensors from each sequence's first row; O by predicated stores.
            varlen=("fwd", "bwd"),
            # TMA descriptors of the tensors' own width fill the tiles' other columns with zeros
@@ -367,6 +378,12 @@ constexpr int kPhiloxRounds = {DROPOUT_PHILOX_ROUNDS};
 PY_CATALOG = CSRC.parent / "cutlass_flash" / "_catalog.py"
 
 
+def _head_dims_v_literal() -> str:
+    per_family = {f.arch: {d: {h: f.dims_v(d, h) for h in f.head_dims_for(d) if f.dims_v(d, h)} for d in f.directions}
+                  for f in FAMILIES}
+    return repr(per_family)
+
+
 def python_catalog() -> str:
     fams = "".join(
         f"    {f.arch}: {{{', '.join(repr(d) + ': ' + repr(f.head_dims_for(d)) for d in f.directions)}}},\n"
@@ -399,6 +416,10 @@ NARROW_HEAD_DIM = {{{', '.join(f"{f.arch}: {f.narrow_head_dim!r}" for f in FAMIL
 
 #: family arch -> {{direction: head dims whose kernels take softcap and alibi_slopes in one call}}.
 SOFTCAP_ALIBI = {{{', '.join(f"{f.arch}: {{{', '.join(f'{d!r}: {f.all_features_dims(d)!r}' for d in f.directions)}}}" for f in FAMILIES)}}}
+
+#: family arch -> {{direction: {{head dim: head dims of v with kernels of their own}}}}: other
+#: head dims of v run at the larger head dim, the narrower side zero-padded.
+HEAD_DIMS_V = {_head_dims_v_literal()}
 
 #: Dropout's mask function: Philox4x32 rounds.
 DROPOUT_PHILOX_ROUNDS = {DROPOUT_PHILOX_ROUNDS}
@@ -472,6 +493,7 @@ def translation_unit(inst: Instantiation) -> str:
     fam = inst.family
     elem = DTYPES[inst.dtype][1]
     defines = check = ""
+    dims_v = "".join(f", {v}" for v in fam.dims_v(inst.direction, inst.head_dim))
     if fam.extended_gmma is not None:
         if inst.extended_gmma:
             defines = "#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED\n"
@@ -496,7 +518,7 @@ namespace cutlass_flash {{
 
 {check}template <>
 Status {inst.function}(const {inst.params_type}& params, cudaStream_t stream) {{
-  return {fam.namespace}::run_{inst.direction}<{inst.head_dim}, {elem}>(params, stream);
+  return {fam.namespace}::run_{inst.direction}<{inst.head_dim}, {elem}{dims_v}>(params, stream);
 }}
 
 }}  // namespace cutlass_flash
@@ -762,12 +784,14 @@ def dispatch_table_source(insts: Sequence[Instantiation], knobs: Knobs) -> str:
         lines.append(f"const int {name}[] = {{{', '.join(map(str, values))}}};")
         return name, len(values)
 
-    all_features = {}
+    all_features, dims_v = {}, {}
     for f in FAMILIES:
         lines.append(f"const int kFamilyHeadDims{f.arch}[] = "
                      f"{{{', '.join(map(str, f.head_dims))}}};")
         for d in ("fwd", "bwd"):
             all_features[(f.arch, d)] = int_array(f"kAllFeatures{d.capitalize()}{f.arch}", f.all_features_dims(d))
+        dims_v[f.arch] = int_array(f"kHeadDimsVFwd{f.arch}",
+                                   [x for _, h, v in f.head_dims_v if _ == "fwd" for x in (h, v)])
     lines.append("const CatalogFamily kCatalog[] = {")
     for f in FAMILIES:
         lines.append(f"    {{{f.arch}, {'true' if 'fwd' in f.directions else 'false'}, "
@@ -776,7 +800,8 @@ def dispatch_table_source(insts: Sequence[Instantiation], knobs: Knobs) -> str:
                      f"{'true' if 'fwd' in f.varlen else 'false'}, {'true' if 'bwd' in f.varlen else 'false'}, "
                      f"{'true' if 'fwd' in f.narrow_head_dim else 'false'}, "
                      f"{'true' if 'bwd' in f.narrow_head_dim else 'false'}, "
-                     f"{', '.join(f'{n}, {c}' for n, c in (all_features[(f.arch, 'fwd')], all_features[(f.arch, 'bwd')]))}}},")
+                     f"{', '.join(f'{n}, {c}' for n, c in (all_features[(f.arch, 'fwd')], all_features[(f.arch, 'bwd')]))}, "
+                     f"{dims_v[f.arch][0]}, {dims_v[f.arch][1]}}},")
     lines += ["};", ""]
     lines.append(f"const int kArchs[] = {{{', '.join(map(str, knobs.archs))}}};")
     lines.append(f"const int kHeadDims[] = {{{', '.join(map(str, knobs.head_dims))}}};")

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _dispatch, _validate, dropout
-from ._catalog import NARROW_HEAD_DIM
+from ._catalog import HEAD_DIMS_V, NARROW_HEAD_DIM
 
 
 def _ref4(t):
@@ -135,14 +135,16 @@ def _kernel_query(q, softmax_scale):
 
 class Plan(NamedTuple):
     """What a call runs (plan()): the kernel family, the head dim of its kernels, the zero columns
-    appended to q and k for them (0: read in place), the dtype's name, and the zero columns
-    appended to v (pad again, unless v's head dim differs from q's: the kernels run at the larger
-    of the two, the other zero-padded)."""
+    appended to q and k for them (0: read in place), the dtype's name, the zero columns appended to
+    v (pad again, unless v's head dim differs from q's: the kernels run at the larger of the two,
+    the other zero-padded), and the kernels' head dim of v and out (head_dim, unless a kernel has
+    v's as its own: the generator's HEAD_DIMS_V, MLA's (192, 128) forward on sm90)."""
     arch: int
     head_dim: int
     pad: int
     dtype: str
     pad_v: int
+    head_dim_v: int
 
 
 def plan(q, k, direction="fwd", *, v=None, softcap=0.0, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
@@ -154,7 +156,7 @@ def plan(q, k, direction="fwd", *, v=None, softcap=0.0, alibi_slopes=None, cu_se
     them, and every check that depends on these. Nothing runs on the GPU. v: where its head dim
     differs from q's (None: the same).
 
-        cutlass_flash.plan(q, k)          # Plan(arch=90, head_dim=128, pad=0, dtype='bf16', pad_v=0)
+        cutlass_flash.plan(q, k)   # Plan(arch=90, head_dim=128, pad=0, dtype='bf16', pad_v=0, head_dim_v=128)
         cutlass_flash.plan(q, k, "bwd", softcap=30.0, alibi_slopes=slopes)  # or NotImplementedError
     """
     if direction not in ("fwd", "bwd"):
@@ -182,8 +184,10 @@ def _plan(direction, q, k, arch=0, softcap=0.0, alibi_slopes=None, varlen=None, 
     padded = _validate.features_head_dim(arch, direction, padded, dtype_name, softcap, alibi_slopes)
     if direction == "bwd" and arch == 80:
         _validate.check_sm80_backward(varlen[2] if varlen is not None else q.shape[1], padded)
+    if head_dim_v != head_dim_qk == padded and head_dim_v in HEAD_DIMS_V[arch][direction].get(padded, ()):
+        return Plan(arch, padded, 0, dtype_name, 0, head_dim_v)  # v and out at their own head dim
     cols = head_dim + _head_pad(arch, direction, head_dim, padded)  # what the kernels read of q, k, v
-    return Plan(arch, padded, cols - head_dim_qk, dtype_name, cols - head_dim_v)
+    return Plan(arch, padded, cols - head_dim_qk, dtype_name, cols - head_dim_v, padded)
 
 
 def _output_buffer(dest, shape, pad, like):
@@ -251,7 +255,8 @@ def _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, determini
         if sinks is not None:
             lse.copy_(sinks[:, None].expand_as(lse))
         return (q.new_zeros((batch, seqlen_q, nheads, head_dim_v)) if out is None else out.zero_()), lse
-    arch, padded, pad, dtype_name, pad_v = _plan("fwd", q, k, arch, softcap, alibi_slopes, varlen, head_dim_v)
+    arch, padded, pad, dtype_name, pad_v, kernel_dim_v = _plan("fwd", q, k, arch, softcap, alibi_slopes, varlen,
+                                                               head_dim_v)
     device = q.device
     C = _dispatch.lib()
     q, k, v = _kernel_input(q, pad), _kernel_input(k, pad), _kernel_input(v, pad_v)
@@ -261,6 +266,8 @@ def _fwd_impl(q, k, v, softmax_scale, window_left, window_right, arch, determini
     for (qs, ks, vs, os_, lses), slopes, rng in _launches(varlen, alibi_slopes, rng_state, q, k, v, out, lse):
         problem = _problem(qs, ks, padded, softmax_scale, window_left, window_right, dtype_name, softcap,
                            varlen, slopes, dropout_p, rng, sinks)
+        if kernel_dim_v != padded:
+            problem["head_dim_v"] = kernel_dim_v
         workspace_bytes = C.fwd_workspace_bytes(**problem, arch=arch)
         workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device) if workspace_bytes else None
         _dispatch.launch(
@@ -399,7 +406,7 @@ def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
                 dest.zero_()
         dsinks = None if sinks is None else torch.zeros_like(sinks)
         return tuple(grad if dest is None else dest for grad, dest in zip(grads, dests)) + (dsinks,)
-    arch, padded, pad, dtype_name, pad_v = _plan("bwd", q, k, arch, softcap, alibi_slopes, varlen, head_dim_v)
+    arch, padded, pad, dtype_name, pad_v, _ = _plan("bwd", q, k, arch, softcap, alibi_slopes, varlen, head_dim_v)
     device = q.device
     C = _dispatch.lib()
     q, k = _kernel_input(q, pad), _kernel_input(k, pad)

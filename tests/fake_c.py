@@ -33,7 +33,7 @@ def _generator():
         spec.loader.exec_module(mod)
     return sys.modules[name]
 from cutlass_flash._catalog import DTYPES as DTYPE_NAMES, FAMILIES, FWD_WORKSPACE_ALIGN, FWD_WORKSPACE_BYTES  # noqa: E402
-from cutlass_flash._catalog import HEAD_DIMS as INSTANTIATED, NARROW_HEAD_DIM, SOFTCAP_ALIBI, VARLEN  # noqa: E402
+from cutlass_flash._catalog import HEAD_DIMS as INSTANTIATED, HEAD_DIMS_V, NARROW_HEAD_DIM, SOFTCAP_ALIBI, VARLEN  # noqa: E402
 
 
 def all_kernels(archs=tuple(FAMILIES), head_dims=INSTANTIATED, dtypes=DTYPE_NAMES):
@@ -281,7 +281,7 @@ class FakeC:
     # The binding's variable-length keywords and their defaults (a dense batch).
     _VARLEN_KEYS = {"cu_seqlens_q": 0, "cu_seqlens_k": 0, "total_q": 0, "total_k": 0,
                     "alibi_slopes": 0, "alibi_batch_stride": 0, "dropout_p": 0.0, "rng_state": 0,
-                    "seqused_q": 0, "seqused_k": 0, "head_dim_real": 0, "sinks": 0}
+                    "seqused_q": 0, "seqused_k": 0, "head_dim_real": 0, "head_dim_v": 0, "sinks": 0}
 
     def _problem(self, direction, kw, check_built=True):
         kw = dict(kw)
@@ -306,6 +306,10 @@ class FakeC:
             raise ValueError(f"head_dim_real {real} must be 0 or a multiple of 8 below head_dim {kw['head_dim']}")
         if real and direction not in NARROW_HEAD_DIM.get(kw["arch"], ()):
             raise ValueError(f"fake _C: sm{kw['arch']} {direction} takes no head_dim_real")
+        own_v = HEAD_DIMS_V[kw["arch"]][direction].get(kw["head_dim"], ())
+        if kw["head_dim_v"] and (real or kw["head_dim_v"] not in own_v):
+            raise ValueError(f"fake _C: sm{kw['arch']} {direction} has no kernel for head_dim_v {kw['head_dim_v']} "
+                             f"at head_dim {kw['head_dim']}")
         if kw["dtype"] not in DTYPES:
             raise ValueError(f"bad dtype {kw['dtype']!r}")
         if kw["nheads"] % kw["nheads_kv"]:
@@ -327,9 +331,10 @@ class FakeC:
         if p["cu_seqlens_q"]:  # packed: (1, total, heads, d) views
             B, Sq, Sk = 1, p["total_q"], p["total_k"]
         H, Hkv, D = p["nheads"], p["nheads_kv"], p["head_dim_real"] or p["head_dim"]  # the columns in memory
+        Dv = p["head_dim_v"] or D
         shapes = {
-            "q": (B, Sq, H, D), "o": (B, Sq, H, D), "dout": (B, Sq, H, D), "dq": (B, Sq, H, D),
-            "k": (B, Sk, Hkv, D), "v": (B, Sk, Hkv, D),
+            "q": (B, Sq, H, D), "o": (B, Sq, H, Dv), "dout": (B, Sq, H, D), "dq": (B, Sq, H, D),
+            "k": (B, Sk, Hkv, D), "v": (B, Sk, Hkv, Dv),
             "dk": (B, Sk, Hkv, D), "dv": (B, Sk, Hkv, D),
         }
         out = []

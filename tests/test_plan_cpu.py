@@ -19,7 +19,7 @@ def _qk(head_dim, seqlen=32, nheads=4, nheads_kv=2):
 def test_plan_matches_what_the_call_runs(fake_backend):
     q, k = _qk(128)
     p = cutlass_flash.plan(q, k)
-    assert p == cutlass_flash.Plan(90, 128, 0, "bf16", 0)
+    assert p == cutlass_flash.Plan(90, 128, 0, "bf16", 0, 128)
     cutlass_flash.flash_attn_func(q, k, k)
     direction, arch, problem = fake_backend.calls[-1]
     assert (direction, arch, problem["head_dim"]) == ("fwd", p.arch, p.head_dim)

@@ -227,6 +227,16 @@ Status check_problem(const AttnProblem& p, int arch, Direction dir) {
     return make(Status::kInvalidArgument, prefix(dir) + "the sm" + to_string(arch) + " family's " +
                                               direction_word(dir) +
                                               " takes no head_dim_real (pad the tensors to head_dim)");
+  if (p.head_dim_v != 0) {
+    bool built = false;
+    for (size_t i = 0; dir == Direction::kForward && i + 1 < fam->num_head_dims_v_fwd; i += 2)
+      built = built || (fam->head_dims_v_fwd[i] == p.head_dim && fam->head_dims_v_fwd[i + 1] == p.head_dim_v);
+    if (!built || p.head_dim_real != 0)
+      return make(Status::kInvalidArgument, prefix(dir) + "the sm" + to_string(arch) + " family's " +
+                                                direction_word(dir) + " has no kernel for head_dim_v = " +
+                                                to_string(p.head_dim_v) + " at head_dim = " + to_string(p.head_dim) +
+                                                " (csrc/generate.py: Family.head_dims_v; pad v to head_dim)");
+  }
   if (p.is_varlen() && !(dir == Direction::kForward ? fam->varlen_fwd : fam->varlen_bwd))
     return make(Status::kNotBuilt, prefix(dir) + "the sm" + to_string(arch) + " family has no variable-length " +
                                        direction_word(dir) + " kernel (cu_seqlens)");

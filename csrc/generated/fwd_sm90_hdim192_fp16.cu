@@ -12,7 +12,7 @@ static_assert(sm90::fwd_extended_gmma<192, cutlass::half_t>() == false,
 
 template <>
 Status run_fwd_kernel<90, 192, DType::kFloat16>(const FwdParams& params, cudaStream_t stream) {
-  return sm90::run_fwd<192, cutlass::half_t>(params, stream);
+  return sm90::run_fwd<192, cutlass::half_t, 128>(params, stream);
 }
 
 }  // namespace cutlass_flash

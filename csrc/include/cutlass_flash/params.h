@@ -47,6 +47,10 @@ struct AttnProblem {
   // The kernels load the real columns, hold zeros in the others (which add nothing to any dot
   // product) and store the real columns only.
   int head_dim_real = 0;
+  // The head dim of v and o where it differs from q's and k's and a kernel has it as its own (the
+  // forward of MLA's (192, 128)): v and o have head_dim_v columns, q and k head_dim. 0: v and o
+  // are as wide as q and k (cols()).
+  int head_dim_v = 0;
   float softmax_scale = 0.f;
   int window_left = -1;
   int window_right = -1;
@@ -86,6 +90,8 @@ struct AttnProblem {
   bool is_causal() const { return window_left < 0 && window_right == 0; }
   // The columns in memory (head_dim_real, else head_dim).
   constexpr int cols() const { return head_dim_real > 0 ? head_dim_real : head_dim; }
+  // The columns of v and o in memory.
+  constexpr int cols_v() const { return head_dim_v > 0 ? head_dim_v : cols(); }
   constexpr bool is_varlen() const { return cu_seqlens_q != nullptr; }
 };
 

@@ -22,7 +22,7 @@ using namespace cute;
 template <typename Traits>
 struct FwdEpilogue {
   using Element = typename Traits::Element;
-  static constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
+  static constexpr int kBlockM = Traits::kBlockM, kHeadDimV = Traits::kHeadDimV;  // O is (rows, kHeadDimV)
 
   __device__ __forceinline__ static Element* smem_o(typename Traits::SharedStorage& shared) {
     return shared.qo.data() + (Traits::kOAliasesQ ? 0 : Traits::kQElems);
@@ -36,7 +36,7 @@ struct FwdEpilogue {
     const AttnProblem& p = params.problem;
     typename Traits::TiledMmaPV mma_pv;
     Tensor tOcO =
-        rowcol_view(mma_pv.get_thread_slice(tid).partition_C(make_identity_tensor(Shape<_64, Int<kHeadDim>>{})));
+        rowcol_view(mma_pv.get_thread_slice(tid).partition_C(make_identity_tensor(Shape<_64, Int<kHeadDimV>>{})));
     const SeqInfo seq(p, tile.batch);
     const int first_row = tile.block * kBlockM + wg * 64;
     const int rows_left = seq.seqlen_q - first_row;
@@ -62,10 +62,10 @@ struct FwdEpilogue {
     const AttnProblem& p = params.problem;
     const SeqInfo seq(p, tile.batch);
     const int first_row = tile.block * kBlockM + wg * 64;
-    Tensor sO = make_tensor(make_smem_ptr(slab), typename Traits::SmemLayoutSlab{});
+    Tensor sO = make_tensor(make_smem_ptr(slab), typename Traits::SmemLayoutSlabO{});
     Element* o = seq.q_rows<Element>(p, params.o, tile.head) + int64_t(first_row) * params.o.row_stride;
-    store_rows_16b<64, kHeadDim, 128, /*kUnroll=*/false>(sO, 0, o, params.o.row_stride, seq.seqlen_q - first_row,
-                                                         p.cols(), tid);
+    store_rows_16b<64, kHeadDimV, 128, /*kUnroll=*/false>(sO, 0, o, params.o.row_stride, seq.seqlen_q - first_row,
+                                                          p.cols_v(), tid);
   }
 
   // acc_o: this thread's part of the normalised output of its warpgroup's 64 rows (fp32).
@@ -82,7 +82,8 @@ struct FwdEpilogue {
     typename Traits::TiledMmaPV mma_pv;
     auto copy_o = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_pv);
     auto thr_copy = copy_o.get_thread_slice(tid);
-    Tensor sO = make_tensor(make_smem_ptr(smem_o(shared) + wg * Traits::kSlabElems), typename Traits::SmemLayoutSlab{});
+    Tensor sO =
+        make_tensor(make_smem_ptr(smem_o(shared) + wg * Traits::kOSlabStride), typename Traits::SmemLayoutSlabO{});
     Tensor rO = convert_type<Element>(acc_o);
     Tensor tOrO = thr_copy.retile_S(rO);
     Tensor tOsO = thr_copy.partition_D(sO);
@@ -99,26 +100,27 @@ struct FwdEpilogue {
       cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read next by TMA
       cutlass::arch::NamedBarrier::sync(128, barrier);
       if (leader) {
+        const int cols = kHeadDimV;  // O's tile width (a named copy: the lambda would odr-use the member)
         // Dense: rows past seqlen_q are clipped by the TMA unit. Varlen: only at the packed
         // tensor's end, so a sequence's last, partial slab is copied by the threads instead.
         auto store_slab = [&](auto mO) {
           Tensor gO =
-              local_tile(mO, Shape<_64, Int<kHeadDim>>{}, make_coord(tile.block * Traits::kNMmaWarpGroups + wg, _0{}));
+              local_tile(mO, Shape<_64, Int<kHeadDimV>>{}, make_coord(tile.block * Traits::kNMmaWarpGroups + wg, _0{}));
           auto [tOgO, tOsSlab] =
               tma_partition(params.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO), group_modes<0, 2>(gO));
           copy(params.tma_o, tOsSlab, tOgO);
         };
         if (p.is_varlen())
-          store_slab(sequence_rows<true>(params.tma_o, p, SeqInfo(p, tile.batch), tile.head));
+          store_slab(sequence_rows<true>(params.tma_o, p, SeqInfo(p, tile.batch), tile.head, cols));
         else
-          store_slab(params.tma_o.get_tma_tensor(make_shape(p.seqlen_q, p.head_dim, p.nheads, p.batch))(_, _, tile.head,
-                                                                                                        tile.batch));
+          store_slab(params.tma_o.get_tma_tensor(make_shape(p.seqlen_q, cols, p.nheads, p.batch))(_, _, tile.head,
+                                                                                                  tile.batch));
         tma_store_arrive();
         if constexpr (Traits::kOAliasesQ) tma_store_wait<0>();
       }
     } else {
       cutlass::arch::NamedBarrier::sync(128, barrier);
-      store_partial_slab(params, smem_o(shared) + wg * Traits::kSlabElems, tile, wg, tid);
+      store_partial_slab(params, smem_o(shared) + wg * Traits::kOSlabStride, tile, wg, tid);
       if constexpr (!Traits::kOAliasesQ) {
         // The next tile's stmatrix may overwrite the slab once every thread has read it.
         cutlass::arch::NamedBarrier::sync(128, barrier);

@@ -52,11 +52,12 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
     Scheduler::init(shared.scheduler);
   }
   typename PipelineKV::Params pipeline_params;
-  pipeline_params.transaction_bytes = Traits::kKVBytes;
+  pipeline_params.transaction_bytes = Traits::kKBytes;
   pipeline_params.role = warp_group == 0 ? PipelineKV::ThreadCategory::Producer : PipelineKV::ThreadCategory::Consumer;
   pipeline_params.is_leader = threadIdx.x == 0;
   pipeline_params.num_consumers = Traits::kNMmaThreads;
   PipelineKV pipeline_k(shared.pipeline_k, pipeline_params, Shape<_1, _1, _1>{});
+  pipeline_params.transaction_bytes = Traits::kVBytes;
   PipelineKV pipeline_v(shared.pipeline_v, pipeline_params, Shape<_1, _1, _1>{});
   __syncthreads();  // barriers initialised before any thread waits on them
 
@@ -96,7 +97,7 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
       const TileCoord& tile = w.coord;
       const int n_min = w.n_min, n_max = w.n_max;
       const WindowMask mask = tile_mask(tile);
-      Tensor acc_o = partition_fragment_C(mma_pv, Shape<_64, Int<Traits::kHeadDim>>{});
+      Tensor acc_o = partition_fragment_C(mma_pv, Shape<_64, Int<Traits::kHeadDimV>>{});
       clear(acc_o);
       Tensor acc_o_rc = rowcol_view(acc_o);
       OnlineSoftmax<decltype(size<0>(acc_o_rc))::value> softmax(Score::scale_log2(p));

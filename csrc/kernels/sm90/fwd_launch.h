@@ -4,6 +4,8 @@
 
 #include <cute/tensor.hpp>
 
+#include <string>
+
 #include "kernels/common/launch_utils.h"
 #include "kernels/sm90/fwd_kernel.h"
 #include "kernels/sm90/fwd_traits.h"
@@ -18,7 +20,7 @@ template <typename Traits>
 FwdKernelParams<Traits> make_fwd_kernel_params(const FwdParams& params) {
   using namespace cute;
   using Element = typename Traits::Element;
-  constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim, kHeadDimV = Traits::kHeadDimV;
   const AttnProblem& p = params.problem;
   FwdKernelParams<Traits> kp{};
   kp.problem = p;
@@ -27,14 +29,14 @@ FwdKernelParams<Traits> make_fwd_kernel_params(const FwdParams& params) {
   kp.scheduler.num_m_blocks = ceil_div(p.seqlen_q, Traits::kBlockM);
   auto q = gmem_tensor<const Element>(params.q, true, p);
   auto k = gmem_tensor<const Element>(params.k, false, p);
-  auto v = gmem_tensor<const Element>(params.v, false, p);
-  auto o = gmem_tensor<Element>(params.o, true, p);
+  auto v = gmem_tensor<const Element>(params.v, false, p, p.cols_v());
+  auto o = gmem_tensor<Element>(params.o, true, p, p.cols_v());
   kp.tma_q = make_tma_copy(SM90_TMA_LOAD{}, q, typename Traits::SmemLayoutSlab{}, Shape<_64, Int<kHeadDim>>{}, _1{});
   kp.tma_k = make_tma_copy(SM90_TMA_LOAD{}, k, take<0, 2>(typename Traits::SmemLayoutK{}),
                            Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
   kp.tma_v = make_tma_copy(SM90_TMA_LOAD{}, v, take<0, 2>(typename Traits::SmemLayoutV{}),
-                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
-  kp.tma_o = make_tma_copy(SM90_TMA_STORE{}, o, typename Traits::SmemLayoutSlab{}, Shape<_64, Int<kHeadDim>>{}, _1{});
+                           Shape<Int<kBlockN>, Int<kHeadDimV>>{}, _1{});
+  kp.tma_o = make_tma_copy(SM90_TMA_STORE{}, o, typename Traits::SmemLayoutSlabO{}, Shape<_64, Int<kHeadDimV>>{}, _1{});
   return kp;
 }
 
@@ -78,10 +80,10 @@ Status run_fwd_traits(const FwdParams& params, cudaStream_t stream, int tile_gro
   return cuda_status(cudaGetLastError(), "sm90 forward launch");
 }
 
-// The forward's configuration of a head dim (sm90/tile_config.h).
-template <int kHeadDim, typename Element>
-using FwdTraitsOf =
-    FwdTraits<kHeadDim, fwd_tile(kHeadDim).block_m, fwd_tile(kHeadDim).block_n, fwd_tile(kHeadDim).stages, Element>;
+// The forward's configuration of a head dim, and of a head dim of V of its own (sm90/tile_config.h).
+template <int kHeadDim, typename Element, int kHeadDimV = kHeadDim>
+using FwdTraitsOf = FwdTraits<kHeadDim, fwd_tile(kHeadDim, kHeadDimV).block_m, fwd_tile(kHeadDim, kHeadDimV).block_n,
+                              fwd_tile(kHeadDim, kHeadDimV).stages, Element, kHeadDimV>;
 
 // Whether that configuration needs CuTe's extended wgmma shapes: the generated translation unit
 // checks it against the generator's table.
@@ -90,13 +92,25 @@ constexpr bool fwd_extended_gmma() {
   return FwdTraitsOf<kHeadDim, Element>::kExtendedGmma;
 }
 
-template <int kHeadDim, typename Element>
-Status run_fwd(const FwdParams& params, cudaStream_t stream) {
-  using Traits = FwdTraitsOf<kHeadDim, Element>;
+template <int kHeadDim, typename Element, int kHeadDimV = kHeadDim>
+Status run_fwd_v(const FwdParams& params, cudaStream_t stream) {
+  using Traits = FwdTraitsOf<kHeadDim, Element, kHeadDimV>;
   if constexpr (Traits::kProbsKernel) {
     if (NoProbsStage::covers(params.problem)) return run_fwd_traits<Traits, NoProbsStage>(params, stream);
   }
   return run_fwd_traits<Traits>(params, stream);
+}
+
+// kHeadDimsV: the head dims of V with kernels of their own at this head dim (the generator's
+// table, csrc/generate.py: Family.head_dims_v); AttnProblem::head_dim_v picks one.
+template <int kHeadDim, typename Element, int... kHeadDimsV>
+Status run_fwd(const FwdParams& params, cudaStream_t stream) {
+  const int head_dim_v = params.problem.head_dim_v;
+  if (head_dim_v == 0) return run_fwd_v<kHeadDim, Element>(params, stream);
+  Status s{Status::kNotBuilt, "sm90 forward: no kernel for v's head dim " + std::to_string(head_dim_v) +
+                                  " at head dim " + std::to_string(kHeadDim)};
+  ((head_dim_v == kHeadDimsV ? (void)(s = run_fwd_v<kHeadDim, Element, kHeadDimsV>(params, stream)) : (void)0), ...);
+  return s;
 }
 
 }  // namespace cutlass_flash::sm90

@@ -55,6 +55,7 @@ struct FwdMainloop {
   using PipelineKV = typename Traits::PipelineKV;
   using PipelineState = typename PipelineKV::PipelineState;
   static constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  static constexpr int kHeadDimV = Traits::kHeadDimV;
 
   // ---- producer: two threads of warpgroup 0 ----
   //
@@ -116,8 +117,8 @@ struct FwdMainloop {
     const SeqInfo seq(p, tile.batch);
     Tensor gK = local_tile(sequence_rows<false>(params.tma_k, p, seq, head_kv), Shape<Int<kBlockN>, Int<kHeadDim>>{},
                            make_coord(_, _0{}));
-    Tensor gV = local_tile(sequence_rows<false>(params.tma_v, p, seq, head_kv), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                           make_coord(_, _0{}));
+    Tensor gV = local_tile(sequence_rows<false>(params.tma_v, p, seq, head_kv, kHeadDimV),
+                           Shape<Int<kBlockN>, Int<kHeadDimV>>{}, make_coord(_, _0{}));
     Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutV{});
     auto [tKgK, tKsK] = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));

@@ -17,10 +17,13 @@ namespace cutlass_flash::sm90 {
 
 using namespace cute;
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, typename Element_>
+// kHeadDimV: the head dim of V and O where it differs from Q's and K's (MLA's (192, 128): the
+// P V GEMM and O are a third narrower than at kHeadDim).
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, typename Element_, int kHeadDimV_ = kHeadDim_>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kStages = kStages_;
+  static constexpr int kHeadDimV = kHeadDimV_;
 
   // Warpgroup 0 produces (one thread issues every TMA load); warpgroups 1.. consume, 64 query
   // rows each.
@@ -28,7 +31,7 @@ struct FwdTraits {
   static constexpr int kNMmaThreads = kNMmaWarpGroups * 128;
   static constexpr int kNThreads = kNMmaThreads + 128;
   static_assert(kBlockM % 64 == 0 && (kNMmaWarpGroups == 2 || kNMmaWarpGroups == 3));
-  static_assert(kBlockN % 16 == 0 && kHeadDim % 16 == 0);
+  static_assert(kBlockN % 16 == 0 && kHeadDim % 16 == 0 && kHeadDimV % 16 == 0);
   // setmaxnreg: the producer gives its registers to the consumers. 65536 registers a block:
   // 2 consumer warpgroups: 128 x 24 + 256 x 240 = 64512; 3: 128 x 32 + 384 x 160 = 65536.
   static constexpr int kProducerRegs = kNMmaWarpGroups == 2 ? 24 : 32;
@@ -41,64 +44,75 @@ struct FwdTraits {
   static constexpr bool kProbsOnP16 = kHeadDim <= 64 || kHeadDim >= 192;
 
   // Each consumer warpgroup multiplies its own 64 query rows: one wgmma atom tall.
-  using TileShapeQK = Shape<_64, Int<kBlockN>, Int<kHeadDim>>;  // S = Q K^T: (M, N, K=d)
-  using TileShapePV = Shape<_64, Int<kHeadDim>, Int<kBlockN>>;  // O += P V: (M, N=d, K)
+  using TileShapeQK = Shape<_64, Int<kBlockN>, Int<kHeadDim>>;   // S = Q K^T: (M, N, K=d)
+  using TileShapePV = Shape<_64, Int<kHeadDimV>, Int<kBlockN>>;  // O += P V: (M, N=d_v, K)
   // S: both operands in shared memory. O: P from registers (the softmax output, never stored),
   // V read transposed from its (key, d) shared-memory tile (MN-major B).
   using TiledMmaQK = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, TileShapeQK>()));
   using TiledMmaPV = decltype(make_tiled_mma(
       GMMA::rs_op_selector<Element, Element, float, TileShapePV, GMMA::Major::K, GMMA::Major::MN>()));
   static_assert(size<1>(typename TiledMmaQK::AtomShape_MNK{}) == kBlockN &&
-                    size<1>(typename TiledMmaPV::AtomShape_MNK{}) == kHeadDim,
+                    size<1>(typename TiledMmaPV::AtomShape_MNK{}) == kHeadDimV,
                 "one wgmma per k16 slice: a wgmma N outside CuTe's standard shapes needs "
                 "CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED before any CUTLASS header (list this "
                 "instantiation in csrc/generate.py's Family.extended_gmma)");
   // Whether a GEMM's N needs CuTe's extended wgmma shapes (sm90/utils.h: standard_gmma_n).
-  static constexpr bool kExtendedGmma = !standard_gmma_n(kBlockN) || !standard_gmma_n(kHeadDim);
+  static constexpr bool kExtendedGmma =
+      !standard_gmma_n(kBlockN) || !standard_gmma_n(kHeadDim) || !standard_gmma_n(kHeadDimV);
 
   // Swizzled K-major layouts (128-byte swizzle when a row is a multiple of 64 elements), as TMA
   // writes them and wgmma reads them without bank conflicts.
-  template <int kRows>
-  using SmemAtom = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kRows>,
-                                                                                Int<kHeadDim>>());
+  template <int kRows, int kCols = kHeadDim>
+  using SmemAtom =
+      decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kRows>, Int<kCols>>());
   // Q and O are stacks of 64-row slabs, one per consumer warpgroup, so that a warpgroup's rows of
   // Q and of O are the same bytes: O can take Q's place (kOAliasesQ) with no warpgroup writing O
   // over rows another warpgroup still multiplies.
   using SmemLayoutSlab = decltype(tile_to_shape(SmemAtom<64>{}, Shape<_64, Int<kHeadDim>>{}));
-  static constexpr int kSlabElems = cosize_v<SmemLayoutSlab>;
+  using SmemLayoutSlabO = decltype(tile_to_shape(SmemAtom<64, kHeadDimV>{}, Shape<_64, Int<kHeadDimV>>{}));
+  static constexpr int kSlabElems = cosize_v<SmemLayoutSlab>, kSlabElemsO = cosize_v<SmemLayoutSlabO>;
   using SmemLayoutK = decltype(tile_to_shape(SmemAtom<kBlockN>{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
-  using SmemLayoutV = SmemLayoutK;
+  using SmemLayoutV =
+      decltype(tile_to_shape(SmemAtom<kBlockN, kHeadDimV>{}, Shape<Int<kBlockN>, Int<kHeadDimV>, Int<kStages>>{}));
   using SmemLayoutVt = decltype(composition(
-      SmemLayoutV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+      SmemLayoutV{}, make_ordered_layout(Shape<Int<kHeadDimV>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
 
-  static constexpr int kQElems = kNMmaWarpGroups * kSlabElems, kKVElems = cosize_v<SmemLayoutK>;
-  static constexpr int kSeparateOBytes = (2 * kQElems + 2 * kKVElems) * int(sizeof(Element));
+  static constexpr int kQElems = kNMmaWarpGroups * kSlabElems, kOElems = kNMmaWarpGroups * kSlabElemsO;
+  static constexpr int kKElems = cosize_v<SmemLayoutK>, kVElems = cosize_v<SmemLayoutV>;
+  static constexpr int kSeparateOBytes = (kQElems + kOElems + kKElems + kVElems) * int(sizeof(Element));
   static constexpr int kMaxSmemBytes = 227 * 1024;
   // When Q, O and the K/V stages do not fit side by side, O is written over Q (whose last reader
   // is the tile's last S GEMM); the producer then loads the next tile's Q only once O is stored.
+  // Each warpgroup's O slab then lies at its Q slab.
   static constexpr bool kOAliasesQ = kSeparateOBytes + 1024 > kMaxSmemBytes;
+  static_assert(!kOAliasesQ || kSlabElemsO <= kSlabElems, "an O slab in Q's place fits its Q slab");
+  static constexpr int kOSlabStride = kOAliasesQ ? kSlabElems : kSlabElemsO;  // elements between O slabs
 
   static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
-  static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kKBytes = kBlockN * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kVBytes = kBlockN * kHeadDimV * sizeof(Element);
 
   // TMA: global tensors are viewed as (seqlen, d, head, batch) with the caller's strides.
   using GmemLayout = Layout<Shape<int32_t, int32_t, int32_t, int32_t>, Stride<int64_t, _1, int64_t, int64_t>>;
   using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{},
                                       make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}),
                                       SmemLayoutSlab{}, Shape<_64, Int<kHeadDim>>{}, _1{}));
-  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{},
-                                       make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}),
-                                       take<0, 2>(SmemLayoutK{}), Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{},
+                                      make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}),
+                                      take<0, 2>(SmemLayoutK{}), Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+  using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{},
+                                      make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}),
+                                      take<0, 2>(SmemLayoutV{}), Shape<Int<kBlockN>, Int<kHeadDimV>>{}, _1{}));
   using TmaO =
       decltype(make_tma_copy(SM90_TMA_STORE{}, make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), GmemLayout{}),
-                             SmemLayoutSlab{}, Shape<_64, Int<kHeadDim>>{}, _1{}));
+                             SmemLayoutSlabO{}, Shape<_64, Int<kHeadDimV>>{}, _1{}));
 
   using PipelineKV = cutlass::PipelineTmaAsync<kStages>;
 
   struct SharedStorage {
-    cute::array_aligned<Element, kQElems + (kOAliasesQ ? 0 : kQElems), 1024> qo;  // Q, then O unless aliased
-    cute::array_aligned<Element, kKVElems, 1024> k;
-    cute::array_aligned<Element, kKVElems, 1024> v;
+    cute::array_aligned<Element, kQElems + (kOAliasesQ ? 0 : kOElems), 1024> qo;  // Q, then O unless aliased
+    cute::array_aligned<Element, kKElems, 1024> k;
+    cute::array_aligned<Element, kVElems, 1024> v;
     typename PipelineKV::SharedStorage pipeline_k;
     typename PipelineKV::SharedStorage pipeline_v;
     // q_full also publishes the tile (`tile`: its coordinates and key-block range, written by the
@@ -132,8 +146,8 @@ struct FwdKernelParams {
   float* lse;
   DynamicTileScheduler::Params scheduler;
   typename Traits::TmaQ tma_q;
-  typename Traits::TmaKV tma_k;
-  typename Traits::TmaKV tma_v;
+  typename Traits::TmaK tma_k;
+  typename Traits::TmaV tma_v;
   typename Traits::TmaO tma_o;
 };
 

@@ -15,6 +15,15 @@ struct FwdTile {
   int stages;
 };
 
+constexpr FwdTile fwd_tile(int head_dim);
+
+// With a head dim of V of its own (FwdTraits::kHeadDimV). (192, 128), MLA's: FlashAttention-3's
+// 128 x 128, O in Q's place: Q/O 48 + 2 x (K 48 + V 32) = 208 KiB.
+constexpr FwdTile fwd_tile(int head_dim, int head_dim_v) {
+  if (head_dim == 192 && head_dim_v == 128) return {128, 128, 2};
+  return fwd_tile(head_dim);
+}
+
 constexpr FwdTile fwd_tile(int head_dim) {
   // d = 64: three consumer warpgroups (160 registers each): more rows in flight per K/V byte.
   // 386 / 442 / 464; 128x176 386 / 417 / 454; 192x160 spills 296 B (S 80 + O 32 + P 40 floats).

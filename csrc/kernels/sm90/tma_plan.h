@@ -35,15 +35,16 @@ Status check_tma_ref(const TensorRef4& t, const char* name, const char* directio
 // kernels' TMA copies index; (total, d, head, 1) for a variable-length batch (sequence_rows).
 // d is the columns in memory (AttnProblem::cols): the boxes stay the tile's full width, and TMA
 // fills their columns past d with zeros on loads and leaves them out of stores.
+// cols: the tensor's columns where not p.cols() (v and o of AttnProblem::head_dim_v).
 template <typename Element>
-auto gmem_tensor(const TensorRef4& t, bool query_side, const AttnProblem& p) {
+auto gmem_tensor(const TensorRef4& t, bool query_side, const AttnProblem& p, int cols = 0) {
   using namespace cute;
   const int rows = p.is_varlen() ? (query_side ? p.total_q : p.total_k) : (query_side ? p.seqlen_q : p.seqlen_k);
   const int nheads = query_side ? p.nheads : p.nheads_kv;
-  return make_tensor(
-      make_gmem_ptr(static_cast<Element*>(t.ptr)),
-      make_layout(make_shape(int32_t(rows), int32_t(p.cols()), int32_t(nheads), int32_t(p.is_varlen() ? 1 : p.batch)),
-                  make_stride(t.row_stride, _1{}, t.head_stride, t.batch_stride)));
+  return make_tensor(make_gmem_ptr(static_cast<Element*>(t.ptr)),
+                     make_layout(make_shape(int32_t(rows), int32_t(cols > 0 ? cols : p.cols()), int32_t(nheads),
+                                            int32_t(p.is_varlen() ? 1 : p.batch)),
+                                 make_stride(t.row_stride, _1{}, t.head_stride, t.batch_stride)));
 }
 
 // cuTensorMapReplaceAddress (CUDA 12.0 signature), resolved once through the runtime (the library
@@ -86,7 +87,7 @@ struct TmaPlanKey {
   bool operator==(const TmaPlanKey& o) const {
     const AttnProblem &a = problem, &b = o.problem;
     return a.batch == b.batch && a.seqlen_q == b.seqlen_q && a.seqlen_k == b.seqlen_k && a.nheads == b.nheads &&
-           a.nheads_kv == b.nheads_kv && a.head_dim == b.head_dim && a.cols() == b.cols() &&
+           a.nheads_kv == b.nheads_kv && a.head_dim == b.head_dim && a.cols() == b.cols() && a.cols_v() == b.cols_v() &&
            a.softmax_scale == b.softmax_scale && a.window_left == b.window_left && a.window_right == b.window_right &&
            a.dtype == b.dtype && a.is_varlen() == b.is_varlen() && a.total_q == b.total_q && a.total_k == b.total_k &&
            std::memcmp(strides, o.strides, sizeof(strides)) == 0;

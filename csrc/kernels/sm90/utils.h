@@ -164,11 +164,14 @@ __device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence
 // as (rows, d): the descriptor's (seqlen, d, head, batch), or for a variable-length batch its
 // (total, d, head, 1) from the sequence's first row (tma_plan.h, gmem_tensor). Loads past the
 // sequence read the next one's rows, which the mask and the per-sequence lengths leave unused.
+// cols: the tile's width where not p.head_dim (v and o at AttnProblem::head_dim_v).
 template <bool kQuery, typename Tma>
-__device__ __forceinline__ auto sequence_rows(const Tma& tma, const AttnProblem& p, const SeqInfo& seq, int head) {
+__device__ __forceinline__ auto sequence_rows(const Tma& tma, const AttnProblem& p, const SeqInfo& seq, int head,
+                                              int cols = 0) {
   const bool varlen = p.is_varlen();
   const int rows = varlen ? (kQuery ? p.total_q : p.total_k) : (kQuery ? p.seqlen_q : p.seqlen_k);
-  Tensor m = tma.get_tma_tensor(make_shape(rows, p.head_dim, kQuery ? p.nheads : p.nheads_kv, varlen ? 1 : p.batch));
+  Tensor m = tma.get_tma_tensor(
+      make_shape(rows, cols > 0 ? cols : p.head_dim, kQuery ? p.nheads : p.nheads_kv, varlen ? 1 : p.batch));
   return domain_offset(make_coord(kQuery ? seq.q_start : seq.k_start, _0{}), m(_, _, head, varlen ? 0 : seq.batch));
 }
 
