@@ -47,10 +47,6 @@ struct AttnProblem {
   // The kernels load the real columns, hold zeros in the others (which add nothing to any dot
   // product) and store the real columns only.
   int head_dim_real = 0;
-  // The head dim of v and o where it differs from q's and k's and a kernel has it as its own (the
-  // forward of MLA's (192, 128)): v and o have head_dim_v columns, q and k head_dim. 0: v and o
-  // are as wide as q and k (cols()).
-  int head_dim_v = 0;
   float softmax_scale = 0.f;
   int window_left = -1;
   int window_right = -1;
@@ -86,6 +82,11 @@ struct AttnProblem {
   const int* seqused_k = nullptr;
   int total_q = 0;
   int total_k = 0;
+  // The head dim of v and o where it differs from q's and k's and a kernel has it as its own (the
+  // forward of MLA's (192, 128)): v and o have head_dim_v columns, q and k head_dim. 0: v and o
+  // are as wide as q and k (cols()). Last, so that the other fields keep their offsets in the
+  // kernels' parameters.
+  int head_dim_v = 0;
 
   bool is_causal() const { return window_left < 0 && window_right == 0; }
   // The columns in memory (head_dim_real, else head_dim).

@@ -101,8 +101,7 @@ Status run_fwd_v(const FwdParams& params, cudaStream_t stream) {
   return run_fwd_traits<Traits>(params, stream);
 }
 
-// kHeadDimsV: the head dims of V with kernels of their own at this head dim (the generator's
-// table, csrc/generate.py: Family.head_dims_v); AttnProblem::head_dim_v picks one.
+// Declared in sm90/launch.h: AttnProblem::head_dim_v picks one of kHeadDimsV, or 0 V at kHeadDim.
 template <int kHeadDim, typename Element, int... kHeadDimsV>
 Status run_fwd(const FwdParams& params, cudaStream_t stream) {
   const int head_dim_v = params.problem.head_dim_v;

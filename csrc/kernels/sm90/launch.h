@@ -15,7 +15,9 @@ namespace cutlass_flash::sm90 {
 // reads it: which families walk upwards).
 inline constexpr int kFamilyArch = 90;
 
-template <int kHeadDim, typename Element>
+// kHeadDimsV: the head dims of V with kernels of their own at kHeadDim (csrc/generate.py:
+// Family.head_dims_v), chosen by AttnProblem::head_dim_v.
+template <int kHeadDim, typename Element, int... kHeadDimsV>
 Status run_fwd(const FwdParams& params, cudaStream_t stream);
 
 template <int kHeadDim, typename Element>
