@@ -53,6 +53,11 @@ struct AttnProblem {
   // > 0: the scaled scores x = softmax_scale * q.k become softcap * tanh(x / softcap) before the
   // softmax (Gemma 2); 0: off.
   float softcap = 0.f;
+  // The head dim of v and o where it differs from q's and k's and a kernel has it as its own (the
+  // forward of MLA's (192, 128)): v and o have head_dim_v columns, q and k head_dim. 0: v and o
+  // are as wide as q and k (cols()). Here, in the 4 bytes before the next pointer: no other field
+  // moves, and the kernels' parameters keep their layout.
+  int head_dim_v = 0;
   // ALiBi: float32 slopes, slope of (batch b, head h) at alibi_slopes[b * alibi_batch_stride + h]
   // (stride 0: one slope per head); the scaled score of query i, key j gets
   // -slope * |i + seqlen_k - seqlen_q - j|. Null: off.
@@ -82,11 +87,6 @@ struct AttnProblem {
   const int* seqused_k = nullptr;
   int total_q = 0;
   int total_k = 0;
-  // The head dim of v and o where it differs from q's and k's and a kernel has it as its own (the
-  // forward of MLA's (192, 128)): v and o have head_dim_v columns, q and k head_dim. 0: v and o
-  // are as wide as q and k (cols()). Last, so that the other fields keep their offsets in the
-  // kernels' parameters.
-  int head_dim_v = 0;
 
   bool is_causal() const { return window_left < 0 && window_right == 0; }
   // The columns in memory (head_dim_real, else head_dim).

@@ -65,7 +65,7 @@ struct FwdEpilogue {
     Tensor sO = make_tensor(make_smem_ptr(slab), typename Traits::SmemLayoutSlabO{});
     Element* o = seq.q_rows<Element>(p, params.o, tile.head) + int64_t(first_row) * params.o.row_stride;
     store_rows_16b<64, kHeadDimV, 128, /*kUnroll=*/false>(sO, 0, o, params.o.row_stride, seq.seqlen_q - first_row,
-                                                          p.cols_v(), tid);
+                                                          kHeadDimV == Traits::kHeadDim ? p.cols() : kHeadDimV, tid);
   }
 
   // acc_o: this thread's part of the normalised output of its warpgroup's 64 rows (fp32).
@@ -100,7 +100,9 @@ struct FwdEpilogue {
       cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read next by TMA
       cutlass::arch::NamedBarrier::sync(128, barrier);
       if (leader) {
-        const int cols = kHeadDimV;  // O's tile width (a named copy: the lambda would odr-use the member)
+        // O's tile width (a named copy: the lambda would odr-use the member); p.head_dim where V has
+        // no head dim of its own, as in mainloop.h's load of V.
+        const int cols = kHeadDimV == Traits::kHeadDim ? p.head_dim : kHeadDimV;
         // Dense: rows past seqlen_q are clipped by the TMA unit. Varlen: only at the packed
         // tensor's end, so a sequence's last, partial slab is copied by the threads instead.
         auto store_slab = [&](auto mO) {

@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
   pipeline_params.is_leader = threadIdx.x == 0;
   pipeline_params.num_consumers = Traits::kNMmaThreads;
   PipelineKV pipeline_k(shared.pipeline_k, pipeline_params, Shape<_1, _1, _1>{});
-  pipeline_params.transaction_bytes = Traits::kVBytes;
+  if constexpr (Traits::kVBytes != Traits::kKBytes) pipeline_params.transaction_bytes = Traits::kVBytes;
   PipelineKV pipeline_v(shared.pipeline_v, pipeline_params, Shape<_1, _1, _1>{});
   __syncthreads();  // barriers initialised before any thread waits on them
 

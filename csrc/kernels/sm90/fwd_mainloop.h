@@ -117,7 +117,9 @@ struct FwdMainloop {
     const SeqInfo seq(p, tile.batch);
     Tensor gK = local_tile(sequence_rows<false>(params.tma_k, p, seq, head_kv), Shape<Int<kBlockN>, Int<kHeadDim>>{},
                            make_coord(_, _0{}));
-    Tensor gV = local_tile(sequence_rows<false>(params.tma_v, p, seq, head_kv, kHeadDimV),
+    // V's width: its own head dim, else p.head_dim as K's (the kernels without one compile as
+    // they did before there was one: a constant here moved their uniform registers around).
+    Tensor gV = local_tile(sequence_rows<false>(params.tma_v, p, seq, head_kv, kHeadDimV == kHeadDim ? 0 : kHeadDimV),
                            Shape<Int<kBlockN>, Int<kHeadDimV>>{}, make_coord(_, _0{}));
     Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutV{});
