@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch.nn import attention
 
 import cutlass_flash
+from cutlass_flash.benchmark import write_report
 from cutlass_flash.integrations.ring_flash_attn import install
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -336,12 +337,8 @@ def main():
         for r in rows:
             log(r)
     if rank == 0:
-        text = "\n".join(lines) + "\n"
-        print(text)
+        write_report("\n".join(lines) + "\n", args.out, "context-parallel.md")
         if args.out:
-            os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, "context-parallel.md"), "w") as f:
-                f.write(text)
             with open(os.path.join(args.out, "context-parallel.svg"), "w") as f:
                 f.write(speedup_svg(lines))
     dist.destroy_process_group()

@@ -791,7 +791,7 @@ def dispatch_table_source(insts: Sequence[Instantiation], knobs: Knobs) -> str:
         for d in ("fwd", "bwd"):
             all_features[(f.arch, d)] = int_array(f"kAllFeatures{d.capitalize()}{f.arch}", f.all_features_dims(d))
         dims_v[f.arch] = int_array(f"kHeadDimsVFwd{f.arch}",
-                                   [x for _, h, v in f.head_dims_v if _ == "fwd" for x in (h, v)])
+                                   [x for d, h, v in f.head_dims_v if d == "fwd" for x in (h, v)])
     lines.append("const CatalogFamily kCatalog[] = {")
     for f in FAMILIES:
         lines.append(f"    {{{f.arch}, {'true' if 'fwd' in f.directions else 'false'}, "

@@ -184,7 +184,8 @@ def _plan(direction, q, k, arch=0, softcap=0.0, alibi_slopes=None, varlen=None, 
     padded = _validate.features_head_dim(arch, direction, padded, dtype_name, softcap, alibi_slopes)
     if direction == "bwd" and arch == 80:
         _validate.check_sm80_backward(varlen[2] if varlen is not None else q.shape[1], padded)
-    if head_dim_v != head_dim_qk == padded and head_dim_v in HEAD_DIMS_V[arch][direction].get(padded, ()):
+    own_v = head_dim_qk == padded and head_dim_v in HEAD_DIMS_V[arch][direction].get(padded, ())
+    if head_dim_v != head_dim_qk and own_v:
         return Plan(arch, padded, 0, dtype_name, 0, head_dim_v)  # v and out at their own head dim
     cols = head_dim + _head_pad(arch, direction, head_dim, padded)  # what the kernels read of q, k, v
     return Plan(arch, padded, cols - head_dim_qk, dtype_name, cols - head_dim_v, padded)

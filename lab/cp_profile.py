@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 import cutlass_flash
+from cutlass_flash.benchmark import write_report
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from context_parallel import inputs, run_context_parallel  # noqa: E402
@@ -54,12 +55,7 @@ def main():
         dist.barrier()
         text.append(f"## {name}, seqlen {a.seqlen}, rank {rank}\n\n" + table(prof))
     if rank == 0:
-        report = "\n\n".join(text)
-        print(report)
-        if a.out:
-            os.makedirs(a.out, exist_ok=True)
-            with open(os.path.join(a.out, f"cp-profile-{a.seqlen}.txt"), "w") as f:
-                f.write(report)
+        write_report("\n\n".join(text), a.out, f"cp-profile-{a.seqlen}.txt")
     dist.destroy_process_group()
 
 

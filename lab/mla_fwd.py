@@ -6,14 +6,13 @@ batch, 16 heads, causal and not. Checks each output against the padded run first
     python lab/mla_fwd.py [--seqlens 2048,8192] [--out DIR]
 """
 import argparse
-import os
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import cutlass_flash
-from cutlass_flash.benchmark import time_interleaved
+from cutlass_flash.benchmark import time_interleaved, write_report
 
 
 def main():
@@ -59,12 +58,7 @@ def main():
             rows.append(f"| {seqlen} | {'yes' if causal else 'no'} | {t['own']:.0f} | {t['padded']:.0f} | "
                         f"{t['own'] / t['padded']:.3f} | {cd:.0f} | {t['own'] / cd:.3f} | {diff:.2e} |")
             print(rows[-1], flush=True)
-    text = "\n".join(rows) + "\n"
-    print(text)
-    if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "mla-fwd.md"), "w") as f:
-            f.write(text)
+    write_report("\n".join(rows) + "\n", a.out, "mla-fwd.md")
 
 
 if __name__ == "__main__":
