@@ -10,6 +10,13 @@
 # Builds only what flash_attn_interface.flash_attn_func(q, k, v, causal=...) needs on dense
 # batches, forward and backward: sm90, bf16/fp16, head dims 64/128/256 (12 kernel files). Any
 # FLASH_ATTENTION_DISABLE_* set by the caller wins (e.g. =FALSE to build that feature back).
+# FA3_CHECK: the "d:d_v" pairs the check runs (default "64:64 128:128 256:256"). MLA's (192, 128),
+# bf16 only (3 kernel files; FA3's backward runs it on its d = 192 kernel, V zero-filled):
+#   FLASH_ATTENTION_DISABLE_HDIM192=FALSE FLASH_ATTENTION_DISABLE_HDIMDIFF192=FALSE \
+#   FLASH_ATTENTION_DISABLE_HDIM{64,128,256}=TRUE FLASH_ATTENTION_DISABLE_FP16=TRUE \
+#   FA3_CHECK="192:192 192:128" FA3_PACK=1 bash lab/device_fa3.sh
+# FA3_PACK=1: also writes the built module to $OUT/fa3built.tgz (split into 15 MiB parts where
+# larger), to carry into a later call: untar it into a folder on PYTHONPATH.
 # Writes the build log to $OUT/fa3_build.log and, when done, the exit status to
 # $OUT/fa3_build.done; prints the build time and a small check against PyTorch's SDPA.
 _fa3_build() {
@@ -45,11 +52,13 @@ _fa3_build() {
   fi
   echo "fa3 build: $(( $(date +%s) - start )) s" | tee -a "$out/fa3_build.log"
   # The fwd+bwd of every built head dim, causal or not, against SDPA's math in fp32.
-  PYTHONPATH="$src/hopper" python3 - <<'EOF' 2>&1 | tee -a "$out/fa3_build.log"
-import torch, torch.nn.functional as F, flash_attn_interface as fa3
-for d in (64, 128, 256):
+  FA3_CHECK=${FA3_CHECK:-64:64 128:128 256:256} PYTHONPATH="$src/hopper" python3 - <<'EOF' 2>&1 \
+    | tee -a "$out/fa3_build.log"
+import os, torch, torch.nn.functional as F, flash_attn_interface as fa3
+for d, dv in (tuple(map(int, pair.split(":"))) for pair in os.environ["FA3_CHECK"].split()):
     for causal in (False, True):
-        q, k, v, do = (torch.randn(2, 300, 4, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        q, k = (torch.randn(2, 300, 4, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        v, do = (torch.randn(2, 300, 4, dv, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         q.requires_grad_(); k.requires_grad_(); v.requires_grad_()
         out = fa3.flash_attn_func(q, k, v, causal=causal)
         out = out[0] if isinstance(out, tuple) else out
@@ -58,9 +67,16 @@ for d in (64, 128, 256):
         ref = F.scaled_dot_product_attention(*t, is_causal=causal)
         ref = (ref.transpose(1, 2), *(g.transpose(1, 2) for g in torch.autograd.grad(ref, t, do.float().transpose(1, 2))))
         err = [f"{(a.float() - b).abs().max().item():.3f}" for a, b in zip(got, ref)]
-        print(f"fa3 check d={d} causal={int(causal)}: max|diff| out, dq, dk, dv = {', '.join(err)}")
+        print(f"fa3 check d={d} d_v={dv} causal={int(causal)}: max|diff| out, dq, dk, dv = {', '.join(err)}")
 EOF
-  return "${PIPESTATUS[0]}"
+  local rc=${PIPESTATUS[0]}
+  if [ "$rc" = 0 ] && [ "${FA3_PACK:-0}" = 1 ]; then
+    (cd "$src/hopper" && tar czf "$out/fa3built.tgz" flash_attn_3 flash_attn_interface.py flash_attn_config.py) &&
+      if [ "$(stat -c %s "$out/fa3built.tgz")" -gt $((15 << 20)) ]; then
+        split -b 15M -d "$out/fa3built.tgz" "$out/fa3built.tgz." && rm "$out/fa3built.tgz"
+      fi
+  fi
+  return "$rc"
 }
 _fa3_build
 _fa3_rc=$?
