@@ -157,8 +157,9 @@ FAMILIES: Tuple[Family, ...] = (
            bwd_walks_up=True,
            all_features_bwd_head_dims=tuple(d for d in HEAD_DIMS if d >= 96),
            # MLA's (192, 128) (DeepSeek-V3): the forward's P V GEMM and O a third narrower than on
-           # the d = 192 kernel with V zero-padded (sm90/tile_config.h).
-           head_dims_v=(("fwd", 192, 128),),
+           # the d = 192 kernel with V zero-padded (sm90/tile_config.h), the backward's dP and dV
+           # GEMMs too (sm90/bwd_traits.h: BwdTraitsSplitDQueryRows).
+           head_dims_v=(("fwd", 192, 128), ("bwd", 192, 128)),
            # TMA over the packed tensors from each sequence's first row; O by predicated stores.
            varlen=("fwd", "bwd"),
            # TMA descriptors of the tensors' own width fill the tiles' other columns with zeros
@@ -790,8 +791,9 @@ def dispatch_table_source(insts: Sequence[Instantiation], knobs: Knobs) -> str:
                      f"{{{', '.join(map(str, f.head_dims))}}};")
         for d in ("fwd", "bwd"):
             all_features[(f.arch, d)] = int_array(f"kAllFeatures{d.capitalize()}{f.arch}", f.all_features_dims(d))
-        dims_v[f.arch] = int_array(f"kHeadDimsVFwd{f.arch}",
-                                   [x for d, h, v in f.head_dims_v if d == "fwd" for x in (h, v)])
+        for d in ("fwd", "bwd"):
+            dims_v[(f.arch, d)] = int_array(f"kHeadDimsV{d.capitalize()}{f.arch}",
+                                            [x for dd, h, v in f.head_dims_v if dd == d for x in (h, v)])
     lines.append("const CatalogFamily kCatalog[] = {")
     for f in FAMILIES:
         lines.append(f"    {{{f.arch}, {'true' if 'fwd' in f.directions else 'false'}, "
@@ -801,7 +803,7 @@ def dispatch_table_source(insts: Sequence[Instantiation], knobs: Knobs) -> str:
                      f"{'true' if 'fwd' in f.narrow_head_dim else 'false'}, "
                      f"{'true' if 'bwd' in f.narrow_head_dim else 'false'}, "
                      f"{', '.join(f'{n}, {c}' for n, c in (all_features[(f.arch, 'fwd')], all_features[(f.arch, 'bwd')]))}, "
-                     f"{dims_v[f.arch][0]}, {dims_v[f.arch][1]}}},")
+                     f"{', '.join(f'{n}, {c}' for n, c in (dims_v[(f.arch, 'fwd')], dims_v[(f.arch, 'bwd')]))}}},")
     lines += ["};", ""]
     lines.append(f"const int kArchs[] = {{{', '.join(map(str, knobs.archs))}}};")
     lines.append(f"const int kHeadDims[] = {{{', '.join(map(str, knobs.head_dims))}}};")

@@ -31,7 +31,7 @@ SOFTCAP_ALIBI = {80: {'fwd': (64, 96, 128, 192, 256), 'bwd': ()}, 90: {'fwd': (6
 
 #: family arch -> {direction: {head dim: head dims of v with kernels of their own}}: other
 #: head dims of v run at the larger head dim, the narrower side zero-padded.
-HEAD_DIMS_V = {80: {'fwd': {}, 'bwd': {}}, 90: {'fwd': {192: (128,)}, 'bwd': {}}}
+HEAD_DIMS_V = {80: {'fwd': {}, 'bwd': {}}, 90: {'fwd': {192: (128,)}, 'bwd': {192: (128,)}}}
 
 #: Dropout's mask function: Philox4x32 rounds.
 DROPOUT_PHILOX_ROUNDS = 7

@@ -407,7 +407,8 @@ def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
                 dest.zero_()
         dsinks = None if sinks is None else torch.zeros_like(sinks)
         return tuple(grad if dest is None else dest for grad, dest in zip(grads, dests)) + (dsinks,)
-    arch, padded, pad, dtype_name, pad_v, _ = _plan("bwd", q, k, arch, softcap, alibi_slopes, varlen, head_dim_v)
+    arch, padded, pad, dtype_name, pad_v, kernel_dim_v = _plan("bwd", q, k, arch, softcap, alibi_slopes, varlen,
+                                                               head_dim_v)
     device = q.device
     C = _dispatch.lib()
     q, k = _kernel_input(q, pad), _kernel_input(k, pad)
@@ -418,7 +419,7 @@ def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
     cols = head_dim + pad
     dq = _output_buffer(dq, (batch, seqlen_q, nheads, cols), pad, q)
     dk = _output_buffer(dk, (batch, seqlen_k, nheads_kv, cols), pad, q)
-    dv = _output_buffer(dv, (batch, seqlen_k, nheads_kv, cols), pad_v, q)
+    dv = _output_buffer(dv, (batch, seqlen_k, nheads_kv, head_dim_v + pad_v), pad_v, q)
     # Each query row's share of dsinks (BwdParams::dsink_rows), summed below in a fixed order. The
     # kernels write every row of a dense batch; a packed one's rows of no sequence stay 0.
     dsink_rows = None
@@ -428,6 +429,8 @@ def _bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
             varlen, alibi_slopes, rng_state, q, k, v, out, dout, dq, dk, dv, lse, dsink_rows):
         problem = _problem(qs, ks, padded, kernel_scale, window_left, window_right, dtype_name, softcap,
                            varlen, slopes, dropout_p, rng, sinks)
+        if kernel_dim_v != padded:
+            problem["head_dim_v"] = kernel_dim_v
         workspace = torch.empty(
             C.bwd_workspace_bytes(**problem, arch=arch, deterministic=deterministic),
             dtype=torch.uint8,

@@ -219,7 +219,8 @@ class FakeC:
         gq = torch.einsum("bhts,bshd->bthd", ds, k64) * scale
         gk = torch.einsum("bhts,bthd->bshd", ds, q64) * scale
         B, Sk, H, D = gk.shape
-        return gq, gk.view(B, Sk, H // group, group, D).sum(3), gv.view(B, Sk, H // group, group, D).sum(3)
+        return (gq, gk.view(B, Sk, H // group, group, D).sum(3),
+                gv.view(B, Sk, H // group, group, gv.shape[-1]).sum(3))
 
     def _sinks(self, p):
         """The float32 (nheads,) sink logits the kernels read; None when off."""
@@ -333,9 +334,9 @@ class FakeC:
         H, Hkv, D = p["nheads"], p["nheads_kv"], p["head_dim_real"] or p["head_dim"]  # the columns in memory
         Dv = p["head_dim_v"] or D
         shapes = {
-            "q": (B, Sq, H, D), "o": (B, Sq, H, Dv), "dout": (B, Sq, H, D), "dq": (B, Sq, H, D),
+            "q": (B, Sq, H, D), "o": (B, Sq, H, Dv), "dout": (B, Sq, H, Dv), "dq": (B, Sq, H, D),
             "k": (B, Sk, Hkv, D), "v": (B, Sk, Hkv, Dv),
-            "dk": (B, Sk, Hkv, D), "dv": (B, Sk, Hkv, D),
+            "dk": (B, Sk, Hkv, D), "dv": (B, Sk, Hkv, Dv),
         }
         out = []
         for name, ref in refs.items():

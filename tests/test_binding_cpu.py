@@ -90,17 +90,20 @@ def test_binding_rejects_bad_problems():
 
 def test_binding_checks_head_dim_v():
     # A head dim of V of its own is taken only where the generator's HEAD_DIMS_V has a kernel for
-    # it (the sm90 forward at (192, 128)); elsewhere the host API refuses it before any launch,
-    # rather than running a kernel that would read v and write out at the wrong width.
+    # it (the sm90 forward and backward at (192, 128)); elsewhere the host API refuses it before
+    # any launch, rather than running a kernel that would read v and write out at the wrong width.
     from cutlass_flash._catalog import HEAD_DIMS_V
 
     C = _dispatch.lib()
     for arch, direction, head_dim, dtype in cutlass_flash.built_kernels():
-        if direction != "fwd":
-            continue
-        own = HEAD_DIMS_V[arch]["fwd"].get(head_dim, ())
+        own = HEAD_DIMS_V[arch][direction].get(head_dim, ())
         for head_dim_v in (*own, 64 if 64 not in own and head_dim != 64 else 128):
             p = {**_problem(head_dim, dtype), "head_dim_v": head_dim_v}
             with pytest.raises(ValueError) as e:  # null pointers, if the problem passes
-                C.fwd(NULL, NULL, NULL, NULL, 0, 0, **p, arch=arch, stream=0)
-            assert ("head_dim_v" in str(e.value)) == (head_dim_v not in own), (arch, head_dim, head_dim_v, e.value)
+                if direction == "fwd":
+                    C.fwd(NULL, NULL, NULL, NULL, 0, 0, **p, arch=arch, stream=0)
+                else:
+                    C.bwd(NULL, NULL, NULL, NULL, NULL, 0, NULL, NULL, NULL, 0, **p, arch=arch, deterministic=False,
+                          stream=0)
+            assert ("head_dim_v" in str(e.value)) == (head_dim_v not in own), (arch, direction, head_dim,
+                                                                                head_dim_v, e.value)

@@ -1,7 +1,7 @@
 """A head dim for V other than Q and K's (DeepSeek's MLA trains with 192 for Q.K and 128 for V):
 the kernels run at the larger of the two (plan()'s head_dim) with the narrower side zero-padded,
 and out / dv come back at V's head dim; or, where a kernel has V's head dim as its own (the
-generator's HEAD_DIMS_V: the sm90 forward at (192, 128)), at their own widths. By the accuracy
+generator's HEAD_DIMS_V: the sm90 forward and backward at (192, 128)), at their own widths. By the accuracy
 rule on out, lse, dq, dk, dv against the float64 reference, dense and packed, both families; on
 CPU the fake binding (the padding and the slicing), on the GPU the kernels."""
 
@@ -84,10 +84,12 @@ def _check_packed(device, arch, dqk, dv, dtype, causal):
 def test_head_dim_v_dense_fake(fake_backend, arch, dqk, dv):
     _check_dense("cpu", arch, dqk, dv, "bf16", causal=True, shape=(1, 70, 50, 2, 1))
     assert {p["head_dim"] for _, _, p in fake_backend.calls} == {cutlass_flash.padded_head_dim(max(dqk, dv))}
-    # The forward of a pair with a kernel of its own gets v unpadded and head_dim_v; others pad.
-    own = dv in HEAD_DIMS_V[arch]["fwd"].get(dqk, ())
-    assert [p.get("head_dim_v", 0) for d, _, p in fake_backend.calls if d == "fwd"] == [dv if own else 0]
-    assert all("head_dim_v" not in p for d, _, p in fake_backend.calls if d == "bwd")
+    # Each direction of a pair with a kernel of its own gets v (out, dout, dv) unpadded and
+    # head_dim_v; others pad.
+    for direction in ("fwd", "bwd"):
+        own = dv in HEAD_DIMS_V[arch][direction].get(dqk, ())
+        calls = [p.get("head_dim_v", 0) for d, _, p in fake_backend.calls if d == direction]
+        assert calls == [dv if own else 0], (direction, calls)
 
 
 def test_head_dim_v_packed_fake(fake_backend):
@@ -97,8 +99,10 @@ def test_head_dim_v_packed_fake(fake_backend):
 def test_plan_head_dim_v(fake_backend):
     q, k = (torch.empty(1, 8, 2, 192, dtype=torch.bfloat16) for _ in range(2))
     v = torch.empty(1, 8, 2, 128, dtype=torch.bfloat16)
-    assert cutlass_flash.plan(q, k, "bwd", v=v) == cutlass_flash.Plan(90, 192, 0, "bf16", 64, 192)
+    assert cutlass_flash.plan(q, k, "bwd", v=v) == cutlass_flash.Plan(90, 192, 0, "bf16", 0, 128)
     assert cutlass_flash.plan(q, k, "fwd", v=v) == cutlass_flash.Plan(90, 192, 0, "bf16", 0, 128)
+    with cutlass_flash.force_arch(80):
+        assert cutlass_flash.plan(q, k, "bwd", v=v) == cutlass_flash.Plan(80, 192, 0, "bf16", 64, 192)
     with cutlass_flash.force_arch(80):
         assert cutlass_flash.plan(q, k, "fwd", v=v) == cutlass_flash.Plan(80, 192, 0, "bf16", 64, 192)
     assert cutlass_flash.plan(v, v, v=q).pad == 64

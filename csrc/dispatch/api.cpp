@@ -229,8 +229,11 @@ Status check_problem(const AttnProblem& p, int arch, Direction dir) {
                                               " takes no head_dim_real (pad the tensors to head_dim)");
   if (p.head_dim_v != 0) {
     bool built = false;
-    for (size_t i = 0; dir == Direction::kForward && i + 1 < fam->num_head_dims_v_fwd; i += 2)
-      built = built || (fam->head_dims_v_fwd[i] == p.head_dim && fam->head_dims_v_fwd[i + 1] == p.head_dim_v);
+    const bool fwd = dir == Direction::kForward;
+    const int* pairs = fwd ? fam->head_dims_v_fwd : fam->head_dims_v_bwd;
+    const size_t num_pairs = fwd ? fam->num_head_dims_v_fwd : fam->num_head_dims_v_bwd;
+    for (size_t i = 0; i + 1 < num_pairs; i += 2)
+      built = built || (pairs[i] == p.head_dim && pairs[i + 1] == p.head_dim_v);
     if (!built || p.head_dim_real != 0)
       return make(Status::kInvalidArgument, prefix(dir) + "the sm" + to_string(arch) + " family's " +
                                                 direction_word(dir) + " has no kernel for head_dim_v = " +

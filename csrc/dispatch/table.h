@@ -42,10 +42,13 @@ struct CatalogFamily {
   size_t num_all_features_fwd;
   const int* all_features_bwd;
   size_t num_all_features_bwd;
-  // (head_dim, head_dim_v) pairs, flattened (two ints each), whose forward kernels have V and O at
-  // a head dim of their own (AttnProblem::head_dim_v; csrc/generate.py: Family.head_dims_v).
+  // (head_dim, head_dim_v) pairs, flattened (two ints each), whose forward / backward kernels
+  // have V, O (and dO, dV) at a head dim of their own (AttnProblem::head_dim_v; csrc/generate.py:
+  // Family.head_dims_v).
   const int* head_dims_v_fwd;
   size_t num_head_dims_v_fwd;
+  const int* head_dims_v_bwd;
+  size_t num_head_dims_v_bwd;
 };
 
 // A build knob as it was set for this build ("CUTLASS_FLASH_HEAD_DIMS", "64,128").

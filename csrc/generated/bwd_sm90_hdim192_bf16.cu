@@ -15,7 +15,7 @@ static_assert(sm90::bwd_holds_feature_values<192, cutlass::bfloat16_t>() == true
 
 template <>
 Status run_bwd_kernel<90, 192, DType::kBFloat16>(const BwdParams& params, cudaStream_t stream) {
-  return sm90::run_bwd<192, cutlass::bfloat16_t>(params, stream);
+  return sm90::run_bwd<192, cutlass::bfloat16_t, 128>(params, stream);
 }
 
 }  // namespace cutlass_flash

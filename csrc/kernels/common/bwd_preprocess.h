@@ -81,7 +81,7 @@ __global__ void __launch_bounds__(BwdPreprocess::kWarps * 32)
     for (int i = 0; i < kBatch; ++i) {
       const int row = row0 + (b + i) * kRowsPerPass;
       ov[i] = dv[i] = make_uint4(0, 0, 0, 0);
-      if (row < seq.seqlen_q && chunk < kChunks && chunk * 8 < p.cols()) {  // the tensors' own columns
+      if (row < seq.seqlen_q && chunk < kChunks && chunk * 8 < p.cols_v()) {  // the tensors' own columns
         ov[i] = *reinterpret_cast<const uint4*>(o + row * params.o.row_stride + chunk * 8);
         dv[i] = *reinterpret_cast<const uint4*>(dout + row * params.dout.row_stride + chunk * 8);
       }

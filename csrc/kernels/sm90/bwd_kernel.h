@@ -27,6 +27,7 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
     bwd_kernel(const __grid_constant__ BwdKernelParams<typename Mainloop::Traits> params) {
   using Traits = typename Mainloop::Traits;
   using Pipeline = typename Traits::Pipeline;
+  using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
   constexpr int kQThread = 0, kdOThread = 32;  // lane 0 of warps 0 and 1
   constexpr int kdQWarp = 2;
@@ -81,7 +82,8 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
   // transaction bytes (a pipeline whose loads come from a non-leader never completes a stage).
   auto pipeline_params = [&](int producer_thread) {
     typename Pipeline::Params params;
-    params.transaction_bytes = Traits::kQBytes + Traits::kRowStatBytes;
+    params.transaction_bytes =
+        (producer_thread == kdOThread ? Traits::kdOBytes : Traits::kQBytes) + Traits::kRowStatBytes;
     params.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
     params.is_leader = int(threadIdx.x) == producer_thread;
     params.num_consumers = Traits::kNMmaThreads;
@@ -97,12 +99,12 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
       const BwdSteps steps = make_steps(make_mask());
       if (steps.count() > 0) {
         Mainloop::load_kv(params, shared, steps, n_block, head_kv);
-        Mainloop::load_rows(params.tma_q, p, params.rows_per_head, pipeline_q, shared.q.data(), shared.lse_log2.data(),
-                            params.lse_log2, steps);
+        Mainloop::template load_rows<false>(params.tma_q, p, params.rows_per_head, pipeline_q, shared.q.data(),
+                                            shared.lse_log2.data(), params.lse_log2, steps);
       }
     } else if (threadIdx.x == kdOThread) {  // dO with its D
-      Mainloop::load_rows(params.tma_do, p, params.rows_per_head, pipeline_do, shared.dout.data(), shared.dpsum.data(),
-                          params.dpsum, make_steps(make_mask()));
+      Mainloop::template load_rows<true>(params.tma_do, p, params.rows_per_head, pipeline_do, shared.dout.data(),
+                                         shared.dpsum.data(), params.dpsum, make_steps(make_mask()));
     } else if (threadIdx.x / 32 == kdQWarp) {
       const WindowMask mask = make_mask();
       Mainloop::dq_warp(params, shared, make_steps(mask), mask, n_block);
@@ -112,18 +114,19 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
     const WindowMask mask = make_mask();
     const BwdSteps steps = make_steps(mask);
     const int tid = int(threadIdx.x) - 128;
-    typename Traits::TiledMmadKV mma_dkv;
-    Tensor acc_dk = partition_fragment_C(mma_dkv, typename Traits::dKVShape{});
-    Tensor acc_dv = partition_fragment_C(mma_dkv, typename Traits::dKVShape{});
+    Tensor acc_dk = partition_fragment_C(typename Traits::TiledMmadKV{}, typename Traits::dKVShape{});
+    Tensor acc_dv = partition_fragment_C(typename Traits::TiledMmadV{}, typename Traits::dVShape{});
     clear(acc_dk);
     clear(acc_dv);
     if (steps.count() > 0)
       Mainloop::template mma<Scheduler::kPackable>(params, shared, pipeline_q, pipeline_do, steps, mask, n_block, tid,
                                                    acc_dk, acc_dv);
     const SeqInfo seq(p, tile.batch);
-    Epilogue::store(p, params.dk, acc_dk, p.softmax_scale, seq, head_kv, n_block, tid, shared.v.data());
-    Epilogue::store(p, params.dv, acc_dv, ScorePolicy<AllScoreFeatures>::keep_scale(p), seq, head_kv, n_block, tid,
-                    shared.v.data());
+    // dK staged in V's tile, or in K's where V's is narrower (a head dim of V of its own).
+    Element* dk_staging = Traits::kHeadDimV == Traits::kHeadDim ? shared.v.data() : shared.k.data();
+    Epilogue::template store<false>(p, params.dk, acc_dk, p.softmax_scale, seq, head_kv, n_block, tid, dk_staging);
+    Epilogue::template store<true>(p, params.dv, acc_dv, ScorePolicy<AllScoreFeatures>::keep_scale(p), seq, head_kv,
+                                   n_block, tid, shared.v.data());
   }
 }
 

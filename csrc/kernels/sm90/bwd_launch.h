@@ -24,20 +24,22 @@ BwdKernelParams<Traits> make_bwd_kernel_params(const BwdParams& params) {
   using namespace cute;
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  constexpr int kHeadDimV = Traits::kHeadDimV;
   const AttnProblem& p = params.problem;
   BwdKernelParams<Traits> kp{};
   kp.problem = p;
   auto q = gmem_tensor<const Element>(params.q, true, p);
-  auto dout = gmem_tensor<const Element>(params.dout, true, p);
+  auto dout = gmem_tensor<const Element>(params.dout, true, p, Traits::cols_v(p));
   auto k = gmem_tensor<const Element>(params.k, false, p);
-  auto v = gmem_tensor<const Element>(params.v, false, p);
-  auto smem_q = take<0, 2>(typename Traits::SmemLayoutQ{});
-  kp.tma_q = make_tma_copy(SM90_TMA_LOAD{}, q, smem_q, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{});
-  kp.tma_do = make_tma_copy(SM90_TMA_LOAD{}, dout, smem_q, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{});
+  auto v = gmem_tensor<const Element>(params.v, false, p, Traits::cols_v(p));
+  kp.tma_q = make_tma_copy(SM90_TMA_LOAD{}, q, take<0, 2>(typename Traits::SmemLayoutQ{}),
+                           Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{});
+  kp.tma_do = make_tma_copy(SM90_TMA_LOAD{}, dout, take<0, 2>(typename Traits::SmemLayoutdO{}),
+                            Shape<Int<kBlockM>, Int<kHeadDimV>>{}, _1{});
   kp.tma_k =
       make_tma_copy(SM90_TMA_LOAD{}, k, typename Traits::SmemLayoutKV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
   kp.tma_v =
-      make_tma_copy(SM90_TMA_LOAD{}, v, typename Traits::SmemLayoutKV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
+      make_tma_copy(SM90_TMA_LOAD{}, v, typename Traits::SmemLayoutV{}, Shape<Int<kBlockN>, Int<kHeadDimV>>{}, _1{});
   return kp;
 }
 
@@ -132,8 +134,9 @@ Status run_bwd_features(const BwdParams& params, cudaStream_t stream) {
   return run_bwd_mainloop<Mainloop<Traits, AllScoreFeatures>>(params, stream);
 }
 
-// The backward's layout and traits of a head dim (sm90/tile_config.h).
-template <int kHeadDim, typename Element>
+// The backward's layout and traits of a head dim, and of a head dim of V of its own (the query-rows
+// layout only; sm90/tile_config.h).
+template <int kHeadDim, typename Element, int kHeadDimV = kHeadDim>
 using BwdTraitsOf = std::conditional_t<
     bwd_tile(kHeadDim).layout == BwdLayout::kKeysPerWarpgroup,
     BwdTraits<kHeadDim, bwd_tile(kHeadDim).block_m, bwd_tile(kHeadDim).mma_warpgroups, bwd_tile(kHeadDim).stages,
@@ -142,7 +145,7 @@ using BwdTraitsOf = std::conditional_t<
         bwd_tile(kHeadDim).layout == BwdLayout::kSplitD,
         BwdTraitsSplitD<kHeadDim, bwd_tile(kHeadDim).block_m, bwd_tile(kHeadDim).stages, Element>,
         BwdTraitsSplitDQueryRows<kHeadDim, bwd_tile(kHeadDim).block_m, bwd_tile(kHeadDim).block_n,
-                                 bwd_tile(kHeadDim).mma_warpgroups, bwd_tile(kHeadDim).stages, Element>>>;
+                                 bwd_tile(kHeadDim).mma_warpgroups, bwd_tile(kHeadDim).stages, Element, kHeadDimV>>>;
 
 // Whether they need CuTe's extended wgmma shapes: the generated translation unit checks it
 // against the generator's table.
@@ -160,15 +163,26 @@ constexpr bool bwd_holds_feature_values() {
   return BwdTraitsOf<kHeadDim, Element>::kHoldsFeatureValues;
 }
 
-template <int kHeadDim, typename Element>
-Status run_bwd(const BwdParams& params, cudaStream_t stream) {
-  using Traits = BwdTraitsOf<kHeadDim, Element>;
+template <int kHeadDim, typename Element, int kHeadDimV = kHeadDim>
+Status run_bwd_v(const BwdParams& params, cudaStream_t stream) {
+  using Traits = BwdTraitsOf<kHeadDim, Element, kHeadDimV>;
   static_assert(Traits::kBlockN == bwd_tile(kHeadDim).block_n &&
-                Traits::kNMmaWarpGroups == bwd_tile(kHeadDim).mma_warpgroups);
+                Traits::kNMmaWarpGroups == bwd_tile(kHeadDim).mma_warpgroups && Traits::kHeadDimV == kHeadDimV);
   if constexpr (bwd_tile(kHeadDim).layout == BwdLayout::kKeysPerWarpgroup)
     return run_bwd_features<BwdMainloop, Traits>(params, stream);
   else
     return run_bwd_features<BwdMainloopSplitD, Traits>(params, stream);
+}
+
+// Declared in sm90/launch.h: AttnProblem::head_dim_v picks one of kHeadDimsV, or 0 V at kHeadDim.
+template <int kHeadDim, typename Element, int... kHeadDimsV>
+Status run_bwd(const BwdParams& params, cudaStream_t stream) {
+  const int head_dim_v = params.problem.head_dim_v;
+  if (head_dim_v == 0) return run_bwd_v<kHeadDim, Element>(params, stream);
+  Status s{Status::kNotBuilt, "sm90 backward: no kernel for v's head dim " + std::to_string(head_dim_v) +
+                                  " at head dim " + std::to_string(kHeadDim)};
+  ((head_dim_v == kHeadDimsV ? (void)(s = run_bwd_v<kHeadDim, Element, kHeadDimsV>(params, stream)) : (void)0), ...);
+  return s;
 }
 
 }  // namespace cutlass_flash::sm90

@@ -115,6 +115,9 @@ struct BwdMainloop {
   using Pipeline = typename Traits::Pipeline;
   using PipelineState = typename Pipeline::PipelineState;
   static constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  static constexpr int kHeadDimV = Traits::kHeadDimV;
+  // sequence_rows' width of V and dO: its default (the head dim) unless V has its own.
+  static constexpr int kSeqColsV = kHeadDimV == kHeadDim ? 0 : kHeadDimV;
 
   // ---- load threads ----
 
@@ -126,30 +129,33 @@ struct BwdMainloop {
     const SeqInfo seq(p, steps.batch);
     Tensor gK = local_tile(sequence_rows<false>(params.tma_k, p, seq, head_kv), Shape<Int<kBlockN>, Int<kHeadDim>>{},
                            make_coord(n_block, _0{}));
-    Tensor gV = local_tile(sequence_rows<false>(params.tma_v, p, seq, head_kv), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                           make_coord(n_block, _0{}));
+    Tensor gV = local_tile(sequence_rows<false>(params.tma_v, p, seq, head_kv, kSeqColsV),
+                           Shape<Int<kBlockN>, Int<kHeadDimV>>{}, make_coord(n_block, _0{}));
     Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKV{});
-    Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutKV{});
+    Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutV{});
     auto [tKgK, tKsK] = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
     auto [tVgV, tVsV] = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-    shared.kv_full.arrive_and_expect_tx(2 * Traits::kKVBytes);
+    shared.kv_full.arrive_and_expect_tx(Traits::kKVBytes + Traits::kVBytes);
     copy(params.tma_k.with(reinterpret_cast<uint64_t&>(shared.kv_full), 0), tKgK, tKsK);
     copy(params.tma_v.with(reinterpret_cast<uint64_t&>(shared.kv_full), 0), tVgV, tVsV);
   }
 
   // Streams a (query, d) tensor with its per-row statistic, one query block per step: Q with
-  // LSE (one thread) or dO with D (another). Two threads: one doing both spilled its registers at
-  // the producer's 24 (the 2 x 24 + 2 x 240 budget of setmaxnreg has no room for more).
-  template <typename Tma>
+  // LSE (one thread) or dO with D (another; kIsdO: at V's head dim). Two threads: one doing both
+  // spilled its registers at the producer's 24 (the 2 x 24 + 2 x 240 budget of setmaxnreg has no
+  // room for more).
+  template <bool kIsdO, typename Tma>
   __device__ static void load_rows(const Tma& tma, const AttnProblem& p, int64_t rows_per_head, Pipeline& pipeline,
                                    Element* smem, float* smem_stats, const float* stats, const BwdSteps& steps) {
+    using SmemLayout = std::conditional_t<kIsdO, typename Traits::SmemLayoutdO, typename Traits::SmemLayoutQ>;
+    constexpr int kCols = kIsdO ? kHeadDimV : kHeadDim;
     const SeqInfo seq(p, steps.batch);
-    Tensor s = make_tensor(make_smem_ptr(smem), typename Traits::SmemLayoutQ{});
+    Tensor s = make_tensor(make_smem_ptr(smem), SmemLayout{});
     PipelineState st = cutlass::make_producer_start_state<Pipeline>();
 #pragma unroll 1
     for (int h = steps.head_begin; h < steps.head_begin + steps.heads; ++h) {
-      Tensor g =
-          local_tile(sequence_rows<true>(tma, p, seq, h), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+      Tensor g = local_tile(sequence_rows<true>(tma, p, seq, h, kIsdO ? kSeqColsV : 0),
+                            Shape<Int<kBlockM>, Int<kCols>>{}, make_coord(_, _0{}));
       auto [tg, ts] = tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
       const float* row_stats = stats + seq.workspace_row(p, rows_per_head, h);
 #pragma unroll 1
@@ -176,7 +182,7 @@ struct BwdMainloop {
     const int valid = mask.seqlen_k - n_block * kBlockN;
     clear_smem_rows(make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKV{}), valid, tid,
                     Traits::kNMmaThreads);
-    clear_smem_rows(make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutKV{}), valid, tid,
+    clear_smem_rows(make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutV{}), valid, tid,
                     Traits::kNMmaThreads);
     cutlass::arch::NamedBarrier::sync(Traits::kNMmaThreads, int(BwdBarrier::kClearRows));
   }
@@ -188,8 +194,9 @@ struct BwdMainloop {
     clear_smem_rows(make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQ{})(_, _, st_q.index()),
                     valid, tid, Traits::kNMmaThreads);
     pipeline_do.consumer_wait(st_do);
-    clear_smem_rows(make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutQ{})(_, _, st_do.index()),
-                    valid, tid, Traits::kNMmaThreads);
+    clear_smem_rows(
+        make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutdO{})(_, _, st_do.index()), valid,
+        tid, Traits::kNMmaThreads);
     cutlass::arch::NamedBarrier::sync(Traits::kNMmaThreads, int(BwdBarrier::kClearRows));
   }
 
@@ -244,10 +251,10 @@ struct BwdMainloop {
   __device__ static auto score_and_dq_operands(const ThrSdP& thr_sdp, const ThrdQ& thr_dq,
                                                typename Traits::SharedStorage& shared) {
     Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKV{});
-    Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutKV{});
+    Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutV{});
     Tensor sKt = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKt{});
     Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQ{});
-    Tensor sdO = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutdO{});
     Tensor sdS = make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutdS{});
     if constexpr (Traits::kScoresTransposed)
       return cute::make_tuple(thr_sdp.partition_fragment_A(sK), thr_sdp.partition_fragment_B(sQ),
@@ -287,9 +294,10 @@ struct BwdMainloop {
   // stages, while dP^T is computed, and dS^T = P^T (dP^T - D) with the policy's factors; P^T
   // leaves as the dV GEMM takes it (ScorePolicy::probs_for_dv). stats_offset: this warpgroup's
   // first query in the step's LSE and D (kStatQueries of them); head: the head's held values.
-  template <int kStatQueries, typename TiledMma, typename FragKV, typename FragQ, typename Acc, typename Coords>
-  __device__ static void scores(TiledMma& mma_sdp, const FragKV& tSrK, const FragQ& tSrQ, const FragKV& tdPrV,
-                                const FragQ& tdPrdO, Pipeline& pipeline_q, const PipelineState& st_q,
+  template <int kStatQueries, typename TiledMma, typename FragK, typename FragQ, typename FragV, typename FragdO,
+            typename Acc, typename Coords>
+  __device__ static void scores(TiledMma& mma_sdp, const FragK& tSrK, const FragQ& tSrQ, const FragV& tdPrV,
+                                const FragdO& tdPrdO, Pipeline& pipeline_q, const PipelineState& st_q,
                                 Pipeline& pipeline_do, const PipelineState& st_do,
                                 typename Traits::SharedStorage& shared, int stats_offset, const Score& score,
                                 HeadValues head, const Coords& tScS, int m, int n_block, float scale_log2, Acc& acc_s,
@@ -336,10 +344,10 @@ struct BwdMainloop {
   // Runs every step of the block for consumer thread `tid` (0 .. kNMmaThreads) and leaves its
   // unscaled dK and its dV in acc_dk, acc_dv. kPacked: the kernel takes packed batches (the rows
   // past a sequence cleared; compiled out of the dense kernel).
-  template <bool kPacked, typename Params, typename AccKV>
+  template <bool kPacked, typename Params, typename AccK, typename AccV>
   __device__ static void mma(const Params& params, typename Traits::SharedStorage& shared, Pipeline& pipeline_q,
                              Pipeline& pipeline_do, const BwdSteps& steps, const WindowMask& mask, int n_block, int tid,
-                             AccKV& acc_dk, AccKV& acc_dv) {
+                             AccK& acc_dk, AccV& acc_dv) {
     typename Traits::TiledMmaSdP mma_sdp;
     typename Traits::TiledMmadKV mma_dkv;
     typename Traits::TiledMmadQ mma_dq;
@@ -354,7 +362,7 @@ struct BwdMainloop {
 
     auto [tSrK, tSrQ, tdPrV, tdPrdO, tdQrdS, tdQrK] = score_and_dq_operands(wg_sdp, wg_dq, shared);
     Tensor sQt = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQt{});
-    Tensor sdOt = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutQt{});
+    Tensor sdOt = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutdOt{});
     Tensor sdSt = make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutdSt{});
     Tensor tdVrdO = wg_dkv.partition_fragment_B(sdOt);  // (MMA, N, K, stage): dO^T, Q^T as B of dV, dK
     Tensor tdKrQ = wg_dkv.partition_fragment_B(sQt);

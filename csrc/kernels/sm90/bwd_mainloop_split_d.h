@@ -42,6 +42,13 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_, Features_> {
   static constexpr int kQueriesPerWarpgroup = kScoresTransposed ? kBlockM / 2 : kBlockM;
   // The consumers and the dQ warp, at the deterministic turn's two barriers.
   static constexpr int kTurnThreads = Traits::kNMmaThreads + 32;
+  static constexpr bool kAllHaveDv = Traits::kdVWarpGroups == Traits::kNMmaWarpGroups;
+
+  // The thread whose slice of TiledMmadV a consumer thread partitions with: itself, or where its
+  // warpgroup has no share of dV (and so never multiplies it) the last one that has.
+  __device__ static int dv_thread(int tid) {
+    return kAllHaveDv ? tid : cute::min(tid, Traits::kdVWarpGroups * 128 - 1);
+  }
 
   using Base::dq_row;
 
@@ -101,44 +108,49 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_, Features_> {
     }
   }
 
-  template <bool kPacked, typename Params, typename AccKV>
+  template <bool kPacked, typename Params, typename AccK, typename AccV>
   __device__ static void mma(const Params& params, typename Traits::SharedStorage& shared, Pipeline& pipeline_q,
                              Pipeline& pipeline_do, const BwdSteps& steps, const WindowMask& mask, int n_block, int tid,
-                             AccKV& acc_dk, AccKV& acc_dv) {
+                             AccK& acc_dk, AccV& acc_dv) {
     typename Traits::TiledMmaSdP mma_sdp;
     typename Traits::TiledMmadKV mma_dkv;
+    typename Traits::TiledMmadV mma_dv;
     typename Traits::TiledMmadQ mma_dq;
     auto thr_sdp = mma_sdp.get_thread_slice(tid);
     // wgmma descriptors from the warpgroup's first thread, warp-uniform (bwd_mainloop.h says why).
     const int wg_thread = __shfl_sync(0xffffffff, tid / 128, 0) * 128;
     auto wg_sdp = mma_sdp.get_thread_slice(wg_thread);
     auto wg_dkv = mma_dkv.get_thread_slice(wg_thread);
+    auto wg_dv = mma_dv.get_thread_slice(dv_thread(wg_thread));
     auto wg_dq = mma_dq.get_thread_slice(wg_thread);
+    // Whether this warpgroup has a share of dV (Traits::kdVWarpGroups; all of them unless V has a
+    // head dim of its own).
+    const bool has_dv = kAllHaveDv || wg_thread < Traits::kdVWarpGroups * 128;
 
     auto [tSrK, tSrQ, tdPrV, tdPrdO, tdQrdS, tdQrK] = Base::score_and_dq_operands(wg_sdp, wg_dq, shared);
     // dV (+)= P^T dO and dK (+)= dS^T Q read P^T, dS^T (key, query) and dO^T, Q^T (d, query)
     // through the transposed views of their tiles: as A and B (keys as rows), or as B and A (the
     // transposed products dV^T = dO^T P, dK^T = Q^T dS, queries as rows).
     Tensor sQt = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQt{});
-    Tensor sdOt = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutQt{});
+    Tensor sdOt = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutdOt{});
     Tensor sdSt = make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutdSt{});
     Tensor sPt = make_tensor(make_smem_ptr(shared.p.data()), typename Traits::SmemLayoutdSt{});
-    auto operand = [&](auto& s, auto is_a) {
+    auto operand = [&](const auto& thr, auto& s, auto is_a) {
       if constexpr (decltype(is_a)::value)
-        return wg_dkv.partition_fragment_A(s);
+        return thr.partition_fragment_A(s);
       else
-        return wg_dkv.partition_fragment_B(s);
+        return thr.partition_fragment_B(s);
     };
     constexpr bool kSwap = Traits::kdKVTransposed;
-    Tensor tdVrP = operand(sPt, cute::bool_constant<!kSwap>{});  // (MMA, M or N, K, buffer)
-    Tensor tdKrdS = operand(sdSt, cute::bool_constant<!kSwap>{});
-    Tensor tdVrdO = operand(sdOt, cute::bool_constant<kSwap>{});  // (MMA, N or M, K, stage)
-    Tensor tdKrQ = operand(sQt, cute::bool_constant<kSwap>{});
-    auto dkv_gemm = [&](const auto& scores, const auto& rows, auto& acc) {
+    Tensor tdVrP = operand(wg_dv, sPt, cute::bool_constant<!kSwap>{});  // (MMA, M or N, K, buffer)
+    Tensor tdKrdS = operand(wg_dkv, sdSt, cute::bool_constant<!kSwap>{});
+    Tensor tdVrdO = operand(wg_dv, sdOt, cute::bool_constant<kSwap>{});  // (MMA, N or M, K, stage)
+    Tensor tdKrQ = operand(wg_dkv, sQt, cute::bool_constant<kSwap>{});
+    auto dkv_gemm = [&](auto& mma, const auto& scores, const auto& rows, auto& acc) {
       if constexpr (kSwap)
-        gemm</*kZeroInit=*/false, /*kWait=*/-1>(mma_dkv, rows, scores, acc);
+        gemm</*kZeroInit=*/false, /*kWait=*/-1>(mma, rows, scores, acc);
       else
-        gemm</*kZeroInit=*/false, /*kWait=*/-1>(mma_dkv, scores, rows, acc);
+        gemm</*kZeroInit=*/false, /*kWait=*/-1>(mma, scores, rows, acc);
     };
 
     // P and dS from registers to shared memory with stmatrix (the other layout's dS^T copy), in
@@ -192,9 +204,12 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_, Features_> {
         cutlass::arch::NamedBarrier::sync(Traits::kNMmaThreads, int(BwdBarrier::kdSReady));
         Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
         gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_dq, tdQrdS(_, _, _, buf), tdQrK, acc_dq);
-        dkv_gemm(tdVrP(_, _, _, buf), tdVrdO(_, _, _, st_do.index()), acc_dv);
-        dkv_gemm(tdKrdS(_, _, _, buf), tdKrQ(_, _, _, st_q.index()), acc_dk);
-        warpgroup_wait<2>();  // dQ done, dV and dK running
+        if (has_dv) dkv_gemm(mma_dv, tdVrP(_, _, _, buf), tdVrdO(_, _, _, st_do.index()), acc_dv);
+        dkv_gemm(mma_dkv, tdKrdS(_, _, _, buf), tdKrQ(_, _, _, st_q.index()), acc_dk);
+        if (has_dv)
+          warpgroup_wait<2>();  // dQ done, dV and dK running
+        else
+          warpgroup_wait<1>();  // dQ done, dK running
         warpgroup_fence_operand(acc_dq);
         add_dq(params, acc_dq, row, m, tid);
         warpgroup_wait<0>();

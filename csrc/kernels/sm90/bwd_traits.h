@@ -44,11 +44,14 @@ struct DqTarget {
 // 48-column halves (16-column atoms), d = 192 into thirds of 64 (64-column atoms).
 // kScoresTransposed: the consumers compute S^T and dP^T (keys as wgmma rows; the score tiles and
 // their coordinates are (key, query)), else S and dP ((query, key)).
+// kHeadDimV: the head dim of V, dO and dV where it differs from Q's and K's (MLA's (192, 128):
+// dP's GEMM and dV's a third smaller than at kHeadDim; BwdTraitsSplitDQueryRows only).
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNMmaWarpGroups_, int kStages_, int kSplitCols,
-          typename Element_, bool kScoresTransposed_ = true>
+          typename Element_, bool kScoresTransposed_ = true, int kHeadDimV_ = kHeadDim_>
 struct BwdTraitsBase {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kStages = kStages_;
+  static constexpr int kHeadDimV = kHeadDimV_;
   static constexpr bool kScoresTransposed = kScoresTransposed_;
   // The shape of a step's score tile (S^T or S) as the accumulators hold it.
   using ScoreShape =
@@ -84,6 +87,18 @@ struct BwdTraitsBase {
                                              Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
   using SmemLayoutQt = decltype(composition(
       SmemLayoutQ{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+  // V as K and dO as Q, kHeadDimV wide (the same layouts where kHeadDimV = kHeadDim): their atom
+  // divides both kSplitCols and kHeadDimV, as a warpgroup's share of dV's columns starts at a
+  // multiple of kSplitCols.
+  static constexpr int kSplitColsV = cute::gcd(kSplitCols, kHeadDimV);
+  using SmemLayoutV =
+      decltype(tile_to_shape(SmemAtom<GMMA::Major::K, kBlockN, kSplitColsV>{}, Shape<Int<kBlockN>, Int<kHeadDimV>>{}));
+  using SmemLayoutVt =
+      decltype(composition(SmemLayoutV{}, make_ordered_layout(Shape<Int<kHeadDimV>, Int<kBlockN>>{}, Step<_2, _1>{})));
+  using SmemLayoutdO = decltype(tile_to_shape(SmemAtom<GMMA::Major::K, kBlockM, kSplitColsV>{},
+                                              Shape<Int<kBlockM>, Int<kHeadDimV>, Int<kStages>>{}));
+  using SmemLayoutdOt = decltype(composition(
+      SmemLayoutdO{}, make_ordered_layout(Shape<Int<kHeadDimV>, Int<kBlockM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
   // dS: (query, key, buffer), the A operand of dQ. From S^T it is written through its transpose
   // (key, query), where each thread's accumulator pairs are two consecutive queries: queries
   // contiguous (MN-major); from S, pairs of consecutive keys: keys contiguous (K-major). Two
@@ -98,9 +113,12 @@ struct BwdTraitsBase {
   using SmemLayoutdSScores = std::conditional_t<kScoresTransposed, SmemLayoutdSt, SmemLayoutdS>;
 
   static constexpr int kQElems = cosize_v<SmemLayoutQ>, kKVElems = cosize_v<SmemLayoutKV>;
+  static constexpr int kdOElems = cosize_v<SmemLayoutdO>, kVElems = cosize_v<SmemLayoutV>;
   static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kdOBytes = kBlockM * kHeadDimV * sizeof(Element);
   static constexpr uint32_t kRowStatBytes = kBlockM * sizeof(float);  // LSE or D of one query block
   static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kVBytes = kBlockN * kHeadDimV * sizeof(Element);
 
   using GmemLayout = Layout<Shape<int32_t, int32_t, int32_t, int32_t>, Stride<int64_t, _1, int64_t, int64_t>>;
   using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{},
@@ -109,6 +127,17 @@ struct BwdTraitsBase {
   using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{},
                                        make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}),
                                        SmemLayoutKV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+  using TmadO = decltype(make_tma_copy(SM90_TMA_LOAD{},
+                                       make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}),
+                                       take<0, 2>(SmemLayoutdO{}), Shape<Int<kBlockM>, Int<kHeadDimV>>{}, _1{}));
+  using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{},
+                                      make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}),
+                                      SmemLayoutV{}, Shape<Int<kBlockN>, Int<kHeadDimV>>{}, _1{}));
+  // The columns of v, dout, out and dv in memory: a kernel with a head dim of V of its own takes
+  // exactly kHeadDimV (the host API refuses head_dim_real beside head_dim_v).
+  __device__ __host__ static constexpr int cols_v(const AttnProblem& p) {
+    return kHeadDimV == kHeadDim ? p.cols() : kHeadDimV;
+  }
 
   // Q with its LSE, dO with its D: one pipeline stage each.
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
@@ -116,9 +145,9 @@ struct BwdTraitsBase {
   // The shared memory both layouts use; each adds its own after these members.
   struct SharedStorageBase {
     cute::array_aligned<Element, kKVElems, 1024> k;
-    cute::array_aligned<Element, kKVElems, 1024> v;
+    cute::array_aligned<Element, kVElems, 1024> v;
     cute::array_aligned<Element, kQElems, 1024> q;
-    cute::array_aligned<Element, kQElems, 1024> dout;
+    cute::array_aligned<Element, kdOElems, 1024> dout;
     cute::array_aligned<Element, cosize_v<SmemLayoutdS>, 1024> ds;
   };
 };
@@ -147,6 +176,8 @@ struct BwdTraits : BwdTraitsBase<kHeadDim_, kBlockM_, 64 * kNMmaWarpGroups_, kNM
   // dK and dV accumulate as (key, d).
   static constexpr bool kdKVTransposed = false;
   using dKVShape = Shape<Int<kBlockN>, Int<kHeadDim>>;
+  using dVShape = dKVShape;
+  static constexpr int kdVWarpGroups = kNMmaWarpGroups;  // the warpgroups with a share of dV
 
   // S^T = K Q^T and dP^T = V dO^T: (M = keys, N = queries, K = d), both operands K-major.
   using TiledMmaSdP = decltype(make_tiled_mma(
@@ -157,6 +188,7 @@ struct BwdTraits : BwdTraitsBase<kHeadDim_, kBlockM_, 64 * kNMmaWarpGroups_, kNM
       decltype(make_tiled_mma(GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockM>>,
                                                    GMMA::Major::K, GMMA::Major::MN>(),
                               WarpGroupsAlongM{}));
+  using TiledMmadV = TiledMmadKV;
   // dQ = dS K: (M = queries, N = d, K = keys). Where the step has 64 queries a warpgroup
   // (d = 64: 128), warpgroup w computes rows [64 w, 64 w + 64), all columns; else columns
   // [w d / W, (w + 1) d / W). Split by columns at d = 64, each warpgroup's m128 n32 wgmma read
@@ -226,6 +258,8 @@ struct BwdTraitsSplitD : BwdTraitsBase<kHeadDim_, kBlockM_, 64, 2, kStages_, kHe
   static constexpr bool kOwnVRows = false;  // both warpgroups read all of V (dP^T split by queries)
   static constexpr bool kdKVTransposed = false;
   using dKVShape = Shape<Int<kBlockN>, Int<kHeadDim>>;
+  using dVShape = dKVShape;
+  static constexpr int kdVWarpGroups = 2;
 
   // S^T = K Q^T and dP^T = V dO^T: (M = keys, N = queries, K = d); warpgroup w takes queries
   // [w kBlockM / 2, (w + 1) kBlockM / 2).
@@ -239,6 +273,7 @@ struct BwdTraitsSplitD : BwdTraitsBase<kHeadDim_, kBlockM_, 64, 2, kStages_, kHe
       decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim / 2>, Int<kBlockM>>,
                                                    GMMA::Major::K, GMMA::Major::MN>(),
                               WarpGroupsAlongN{}));
+  using TiledMmadV = TiledMmadKV;
   // dQ = dS K: (M = queries, N = d, K = keys), columns split as dK's.
   static constexpr int kdQCols = kHeadDim / 2;
   using TiledMmadQ = decltype(make_tiled_mma(
@@ -275,15 +310,22 @@ struct BwdTraitsSplitD : BwdTraitsBase<kHeadDim_, kBlockM_, 64, 2, kStages_, kHe
 // layout's 64 keys at d = 192, each step's loads of Q, dO, LSE and D and its P / dS round trip
 // serve 1.5x the keys (96). Registers a thread at d = 192, 96 keys, three warpgroups (160 each):
 // dK^T + dV^T 96, S + dP 32, dQ 32.
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNMmaWarpGroups_, int kStages_, typename Element_>
+// With a head dim of V of its own (MLA's (192, 128)), dV^T has kHeadDimV rows: warpgroups
+// [0, kHeadDimV / (d / W)) take d / W of them each and the others none (wgmma's atom is 64 rows
+// tall: 128 rows do not split in three). The block's tensor work per step at (192, 128) is then
+// 39 units of 64 x 32 x 64 against 45 on the d = 192 kernel with V padded; the warpgroups with a
+// share of dV issue 14 of them, the last one 11.
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNMmaWarpGroups_, int kStages_, typename Element_,
+          int kHeadDimV_ = kHeadDim_>
 struct BwdTraitsSplitDQueryRows
     : BwdTraitsBase<kHeadDim_, kBlockM_, kBlockN_, kNMmaWarpGroups_, kStages_, kHeadDim_ / kNMmaWarpGroups_, Element_,
-                    /*kScoresTransposed=*/false> {
+                    /*kScoresTransposed=*/false, kHeadDimV_> {
   using Base = BwdTraitsBase<kHeadDim_, kBlockM_, kBlockN_, kNMmaWarpGroups_, kStages_, kHeadDim_ / kNMmaWarpGroups_,
-                             Element_, false>;
+                             Element_, false, kHeadDimV_>;
   using Base::kBlockM;
   using Base::kBlockN;
   using Base::kHeadDim;
+  using Base::kHeadDimV;
   using Base::kNMmaWarpGroups;
   using Base::kStages;
   using typename Base::Element;
@@ -298,6 +340,9 @@ struct BwdTraitsSplitDQueryRows
   // dK and dV accumulate transposed, (d, key).
   static constexpr bool kdKVTransposed = true;
   using dKVShape = Shape<Int<kHeadDim>, Int<kBlockN>>;
+  using dVShape = Shape<Int<kHeadDimV>, Int<kBlockN>>;
+  static constexpr int kdVWarpGroups = kHeadDimV / kdQCols;
+  static_assert(kHeadDimV % kdQCols == 0 && kHeadDimV <= kHeadDim);
 
   // S = Q K^T and dP = dO V^T: (M = queries, N = keys, K = d), both operands K-major; warpgroup
   // w takes keys [w kBlockN / W, (w + 1) kBlockN / W).
@@ -311,6 +356,11 @@ struct BwdTraitsSplitDQueryRows
       decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, Int<kBlockM>>,
                                                    GMMA::Major::MN, GMMA::Major::MN>(),
                               WarpGroupsAlongM{}));
+  // dV^T over its kdVWarpGroups warpgroups (TiledMmadKV's type where kHeadDimV = kHeadDim).
+  using TiledMmadV =
+      decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, Int<kBlockM>>,
+                                                   GMMA::Major::MN, GMMA::Major::MN>(),
+                              Layout<Shape<Int<kdVWarpGroups>, _1, _1>>{}));
   // dQ = dS K: (M = queries, N = d, K = keys), dS K-major, K MN-major; columns split as dK's.
   using TiledMmadQ = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kdQCols>, Int<kBlockN>>, GMMA::Major::K,
@@ -361,9 +411,9 @@ struct BwdKernelParams {
   int dq_groups;                  // BwdWorkspace::dq_groups (1 unless deterministic)
   GridTileMap::Params scheduler;  // a packed batch's key blocks
   typename Traits::TmaQ tma_q;
-  typename Traits::TmaQ tma_do;
+  typename Traits::TmadO tma_do;
   typename Traits::TmaKV tma_k;
-  typename Traits::TmaKV tma_v;
+  typename Traits::TmaV tma_v;
 
   // dq_semaphore, or null where a packed batch's tile list was cut (VarlenTiles::truncated: bad
   // cu_seqlens, whose turns would wait for blocks that never run).

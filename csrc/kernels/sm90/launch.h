@@ -20,7 +20,7 @@ inline constexpr int kFamilyArch = 90;
 template <int kHeadDim, typename Element, int... kHeadDimsV>
 Status run_fwd(const FwdParams& params, cudaStream_t stream);
 
-template <int kHeadDim, typename Element>
+template <int kHeadDim, typename Element, int... kHeadDimsV>
 Status run_bwd(const BwdParams& params, cudaStream_t stream);
 
 }  // namespace cutlass_flash::sm90
