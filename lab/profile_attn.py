@@ -7,10 +7,11 @@ for Nsight Compute:
     ncu --kernel-name regex:"fwd_kernel|FlashAttnFwd" --launch-skip 1 --launch-count 2 \\
         --section SpeedOfLight python lab/profile_attn.py fwd 128 8192 1
 
-Arguments: fwd or bwd, head dim, seqlen (batch * seqlen = 16k tokens, nheads * head_dim = 2048),
-causal (0/1). Each implementation runs its forward (or backward) twice (the first call builds
-caches), ours first, so `--launch-skip 1 --launch-count 2` with a regex matching both
-implementations' main kernels profiles ours, then FA3's first call.
+Arguments: fwd or bwd, head dim (or D:DV, V's head dim of its own: 192:128), seqlen (batch *
+seqlen = 16k tokens, nheads * head_dim = 2048), causal (0/1). Each implementation runs its
+forward (or backward) twice (the first call builds caches), ours first, so `--launch-skip 1
+--launch-count 2` with a regex matching both implementations' main kernels profiles ours, then
+FA3's first call.
 """
 import sys
 
@@ -23,12 +24,14 @@ def main():
     mode = sys.argv[1]
     if mode not in ("fwd", "bwd"):
         raise SystemExit(f"mode must be fwd or bwd, got {mode!r}")
-    head_dim, seqlen, causal = int(sys.argv[2]), int(sys.argv[3]), bool(int(sys.argv[4]))
+    head_dim, _, head_dim_v = sys.argv[2].partition(":")
+    head_dim, seqlen, causal = int(head_dim), int(sys.argv[3]), bool(int(sys.argv[4]))
+    head_dim_v = int(head_dim_v or head_dim)
     batch, nheads = max(1, 16384 // seqlen), 2048 // head_dim
     torch.manual_seed(0)
-    q, k, v = (torch.randn(batch, seqlen, nheads, head_dim, device="cuda", dtype=torch.bfloat16,
-                           requires_grad=mode == "bwd") for _ in range(3))
-    dout = torch.randn(batch, seqlen, nheads, head_dim, device="cuda", dtype=torch.bfloat16)
+    q, k, v = (torch.randn(batch, seqlen, nheads, d, device="cuda", dtype=torch.bfloat16, requires_grad=mode == "bwd")
+               for d in (head_dim, head_dim, head_dim_v))
+    dout = torch.randn(batch, seqlen, nheads, head_dim_v, device="cuda", dtype=torch.bfloat16)
     impls = [("ours", lambda: cutlass_flash.flash_attn_func(q, k, v, causal=causal))]
     if sys.argv[5:] == ["fa2"]:
         from torch.nn.attention import SDPBackend, sdpa_kernel
