@@ -18,9 +18,9 @@ mkdir -p /tmp/fa3pkg && tar xzf "$FA3" -C /tmp/fa3pkg && export PYTHONPATH=$PYTH
 binding
 for cfg in "$@"; do
   set -- $cfg
-  if [ "$1" = fwd ]; then re="fwd_kernel|FlashAttnFwd"; else re="bwd_kernel|FlashAttnBwd"; fi
+  if [ "$1" = fwd ]; then re="sm90::fwd_kernel|FlashAttnFwdSm90"; else re="sm90::bwd_kernel|FlashAttnBwdSm90"; fi
   name="$1-${2/:/_}-$3-$4" rep="$LOGS/ncu-$name"
-  timeout 240 ncu --kernel-name regex:"$re" --launch-skip 1 --launch-count 2 \
+  timeout 240 ncu --kernel-name-base demangled --kernel-name regex:"$re" --launch-skip 1 --launch-count 2 \
     --section SpeedOfLight --section Occupancy --section WarpStateStats --section SourceCounters \
     --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section LaunchStats \
     -f -o "$rep" python3 lab/profile_attn.py $cfg >"$LOGS/ncu-$name.log" 2>&1
