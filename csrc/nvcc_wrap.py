@@ -29,9 +29,15 @@ TAIL_LINES = 60
 
 
 def ptxas_summary(text: str) -> str:
-    """'sm_80: 255 regs, 0 B spill' per SASS target, from ptxas -v output."""
+    """'sm_80: 255 regs, 0 B spill' per SASS target, from ptxas -v output, and the count of each
+    wgmma warning ('C7514 x4': ptxas's "Potential Performance Loss", wgmma serialized with a wait
+    after each; one such kernel ran at 0.83x FlashAttention-3, docs/PERFLOG.md entry 102)."""
     regs, spill, arch = {}, {}, None
+    warnings = {}
     for line in text.splitlines():
+        m = re.search(r"\((C75\d\d)\) Potential Performance Loss", line)
+        if m:
+            warnings[m.group(1)] = warnings.get(m.group(1), 0) + 1
         m = re.search(r"for '(sm_\w+)'", line)
         if m:
             arch = m.group(1)
@@ -44,7 +50,8 @@ def ptxas_summary(text: str) -> str:
         m = re.search(r"(\d+) bytes spill stores", line)
         if m:
             spill[arch] = spill.get(arch, 0) + int(m.group(1))
-    return "; ".join(f"{a}: {regs[a]} regs, {spill.get(a, 0)} B spill" for a in sorted(regs))
+    return "; ".join([f"{a}: {regs[a]} regs, {spill.get(a, 0)} B spill" for a in sorted(regs)] +
+                     [f"{w} x{n}" for w, n in sorted(warnings.items())])
 
 
 def depfile_paths(text: str):

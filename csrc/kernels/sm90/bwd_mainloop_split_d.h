@@ -202,19 +202,26 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_, Features_> {
         // waits for all its GEMMs before the next step's barrier).
         cutlass::arch::fence_view_async_shared();
         cutlass::arch::NamedBarrier::sync(Traits::kNMmaThreads, int(BwdBarrier::kdSReady));
-        Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-        gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_dq, tdQrdS(_, _, _, buf), tdQrK, acc_dq);
-        if (has_dv) dkv_gemm(mma_dv, tdVrP(_, _, _, buf), tdVrdO(_, _, _, st_do.index()), acc_dv);
-        dkv_gemm(mma_dkv, tdKrdS(_, _, _, buf), tdKrQ(_, _, _, st_q.index()), acc_dk);
+        // dQ, dV (kDv) and dK, each path with all its wgmma and their waits: with the dV GEMM and the
+        // wait's count under two branches of their own, ptxas serialized every wgmma of the kernel
+        // (C7514: a wait after each; 0.83-0.87x FlashAttention-3's backward at (192, 128)).
+        auto dq_dv_dk = [&](auto dv) {
+          constexpr bool kDv = decltype(dv)::value;
+          Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+          gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_dq, tdQrdS(_, _, _, buf), tdQrK, acc_dq);
+          if constexpr (kDv) dkv_gemm(mma_dv, tdVrP(_, _, _, buf), tdVrdO(_, _, _, st_do.index()), acc_dv);
+          dkv_gemm(mma_dkv, tdKrdS(_, _, _, buf), tdKrQ(_, _, _, st_q.index()), acc_dk);
+          warpgroup_wait<kDv ? 2 : 1>();  // dQ done, dV and dK running
+          warpgroup_fence_operand(acc_dq);
+          add_dq(params, acc_dq, row, m, tid);
+          warpgroup_wait<0>();
+          if constexpr (kDv) warpgroup_fence_operand(acc_dv);
+          warpgroup_fence_operand(acc_dk);
+        };
         if (has_dv)
-          warpgroup_wait<2>();  // dQ done, dV and dK running
+          dq_dv_dk(cute::true_type{});
         else
-          warpgroup_wait<1>();  // dQ done, dK running
-        warpgroup_fence_operand(acc_dq);
-        add_dq(params, acc_dq, row, m, tid);
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(acc_dv);
-        warpgroup_fence_operand(acc_dk);
+          dq_dv_dk(cute::false_type{});
         pipeline_do.consumer_release(st_do);
         ++st_do;
         pipeline_q.consumer_release(st_q);
