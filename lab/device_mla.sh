@@ -8,9 +8,7 @@
 # .carry/s22/cutlass-include.tgz: CUTLASS's include/ (no nvidia-cutlass wheel needed);
 # .carry/fa3mla/fa3built.tgz: FA3 built by lab/device_fa3.sh with FA3_PACK=1 (its header says how).
 # Writes $OUT/lib.tgz (the kernel library), build.log, the test logs and mla.md.
-# AB_LIB=TGZ (a lib.tgz of another commit with the same binding): then the benchmark's AB_ARGS
-# (default: the d = 192 backward, 2k / 8k, causal and not) from this tree and from a copy with
-# that library, rounds new, base, new, base, to $OUT/ab.tgz.
+# AB_LIB=TGZ: then lab/device_ab_lib.sh (this library against that one).
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/cutlass_flash_out}
@@ -37,18 +35,4 @@ shard 0 mla-sm90 0 tests/test_head_dim_v.py
 shard 0 mla-sm80 80 tests/test_head_dim_v.py
 mkdir -p /tmp/fa3mla && tar xzf .carry/fa3mla/fa3built.tgz -C /tmp/fa3mla
 PYTHONPATH=/tmp/fa3mla:$PYTHONPATH python3 lab/mla.py --out "$OUT" ${MLA_ARGS:-} 2>&1 | tail -30
-if [ -n "${AB_LIB:-}" ]; then
-  rm -rf /tmp/abbase && cp -r "$PWD" /tmp/abbase && tar xzf "$AB_LIB" -C /tmp/abbase
-  mkdir -p "$OUT/ab"
-  for r in 1 2; do
-    for side in new base; do
-      dir=$PWD; [ $side = base ] && dir=/tmp/abbase
-      # shellcheck disable=SC2086
-      (cd "$dir" && PYTHONPATH=$dir timeout 200 python3 -m cutlass_flash.benchmark --impls ours --no-plot \
-        ${AB_ARGS:---modes bwd --head-dims 192 --seqlens 2048,8192 --rounds 5} --tag "ab-$side-r$r" --out "$OUT/ab") \
-        >"$OUT/ab/ab-$side-r$r.log" 2>&1
-      echo "ab $side r$r: rc $?"
-    done
-  done
-  tar -C "$OUT" -czf "$OUT/ab.tgz" ab && rm -rf "$OUT/ab"
-fi
+if [ -n "${AB_LIB:-}" ]; then bash lab/device_ab_lib.sh; fi

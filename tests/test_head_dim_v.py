@@ -13,6 +13,7 @@ from attn_ref import assert_within_tolerance, reference_outputs, slack
 from cases import Case, kernel_archs
 from cutlass_flash._catalog import HEAD_DIMS_V
 from gpu_check import skip_if_not_built
+from test_sinks import _dsinks_slack
 from test_varlen import _cu, _reference
 
 NAMES = ("out", "lse", "dq", "dk", "dv")
@@ -136,3 +137,42 @@ def test_head_dim_v_accuracy(arch, dtype, dqk, dv, causal):
 @pytest.mark.parametrize("causal", [False, True], ids=["nomask", "causal"])
 def test_head_dim_v_packed(arch, causal):
     _check_packed("cuda", arch, 192, 128, "bf16", causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", kernel_archs(), ids=lambda a: f"sm{a}")
+@pytest.mark.parametrize("features", ["softcap-window-sinks", "alibi-causal"])
+def test_head_dim_v_features_deterministic(arch, features):
+    # (192, 128) through the kernels that take the score features (the sm90 backward's own-V
+    # kernel with every feature compiled in), deterministic: by the accuracy rule, and the
+    # gradients bit-identical across two calls.
+    batch, seqlen_q, seqlen_k, nheads, nheads_kv, dqk, dv = 2, 239, 200, 4, 2, 192, 128
+    q, k, v, dout = _inputs(seqlen_q, seqlen_k, nheads, nheads_kv, dqk, dv, torch.bfloat16, "cuda", (batch,), 7)
+    skip_if_not_built(Case(batch, seqlen_q, seqlen_k, nheads, nheads_kv, dqk, "bf16", True, arch))
+    kw, ref_kw, leaves = {}, {}, [q, k, v]
+    if features == "softcap-window-sinks":
+        sinks = torch.linspace(-2.0, 4.0, nheads, device="cuda").requires_grad_()
+        kw = dict(softcap=20.0, window_size=(60, 5), sinks=sinks)
+        ref_kw = dict(softcap=20.0, window=(60, 5), sinks=sinks)
+        leaves.append(sinks)
+    else:
+        slopes = torch.linspace(0.05, 0.4, nheads, device="cuda")
+        kw = dict(alibi_slopes=slopes, causal=True)
+        ref_kw = dict(alibi_slopes=slopes, window=(-1, 0))
+    runs = []
+    with cutlass_flash.force_arch(arch):
+        for _ in range(2):
+            torch.full((64 << 20,), float("nan"), device="cuda")  # poison the caching allocator
+            out, lse = cutlass_flash.flash_attn_func(q, k, v, deterministic=True, return_lse=True, **kw)
+            runs.append((out, lse) + torch.autograd.grad(out, leaves, dout))
+    for a, b in zip(runs[0], runs[1]):
+        assert torch.equal(a, b), "deterministic calls differ"
+    ref = reference_outputs(q, k, v, dout, dtype=torch.float64, **ref_kw)
+    same = reference_outputs(q, k, v, dout, **ref_kw)
+    rows = seqlen_q * nheads // nheads_kv
+    what = f"sm{arch} (192, 128) {features}"
+    _check(runs[0][:5], same[:5], ref[:5], rows, dqk, what)
+    if "sinks" in kw:  # dsinks: D = rowsum(dout * out) over v's 128 columns (the preprocess)
+        assert_within_tolerance(f"{what}: dsinks", runs[0][5], same[5], ref[5],
+                                slack=slack("dsinks", rows, dqk) + _dsinks_slack(ref[0], dout, ref[1], kw["sinks"],
+                                                                                 torch.bfloat16))
