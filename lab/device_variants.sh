@@ -11,7 +11,7 @@
 # (extra benchmark arguments, default: backward, 2k and 8k tokens, causal and not, against
 # cuDNN), PHASES (default "build run": a call of 600 s holds about 3 builds, or 3 variants' tests
 # and timings, so "build" and "run" can go in two calls on the same warm machine). Returns one
-# CSV per variant (bench_NAME.csv, both rounds, a `round` column) and the logs of failed builds. Needs the nvidia-cutlass wheel under .carry/ (see lab/device_build.sh).
+# CSV per variant (bench_NAME.csv, both rounds, a `round` column) and the logs of failed builds. Needs CUTLASS's headers: the nvidia-cutlass wheel under .carry/ (see lab/device_build.sh) or CUTLASS_TGZ.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/cutlass_flash_out}
@@ -19,7 +19,14 @@ DIMS=${DIMS:-64,128} DTYPES=${DTYPES:-bf16} ARCHS=${ARCHS:-90}
 TESTS=${TESTS:--m gpu}
 BENCH=${BENCH:---modes bwd --seqlens 2048,8192 --impls ours,sdpa-cudnn --rounds 3 --budget-ms 100}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/nvidia_cutlass-*.whl || exit 1
+# CUTLASS's headers: the nvidia-cutlass wheel under .carry/, or CUTLASS's include/ as a tarball
+# (CUTLASS_TGZ, default .carry/s22/cutlass-include.tgz, as lab/device_mla.sh takes it).
+if ls .carry/nvidia_cutlass-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/nvidia_cutlass-*.whl || exit 1
+else
+  mkdir -p /tmp/cutlass && tar xzf "${CUTLASS_TGZ:-.carry/s22/cutlass-include.tgz}" -C /tmp/cutlass || exit 1
+  export CUTLASS_FLASH_CUTLASS_DIR=/tmp/cutlass
+fi
 export PYTHONPATH=/tmp/site
 # FlashAttention-3, where lab/device_fa3.sh built it earlier on this machine (an fa3 column).
 if [ -d /tmp/fa3/hopper ]; then export PYTHONPATH=/tmp/fa3/hopper:$PYTHONPATH; fi
