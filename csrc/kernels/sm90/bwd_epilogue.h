@@ -74,7 +74,7 @@ struct BwdEpilogue {
     cutlass::arch::NamedBarrier::sync(kThreads, barrier);
     Element* base = seq.k_rows<Element>(p, out, head_kv) + int64_t(n_block) * kBlockN * out.row_stride;
     store_rows_16b<kRows, kCols, kThreads>(s, kRows * group, base, out.row_stride, seq.seqlen_k - n_block * kBlockN,
-                                           kIsV ? Traits::cols_v(p) : p.cols(), tid % kThreads);
+                                           cols_in_memory<kHeadDim, kCols>(p), tid % kThreads);
   }
 };
 

@@ -29,9 +29,9 @@ BwdKernelParams<Traits> make_bwd_kernel_params(const BwdParams& params) {
   BwdKernelParams<Traits> kp{};
   kp.problem = p;
   auto q = gmem_tensor<const Element>(params.q, true, p);
-  auto dout = gmem_tensor<const Element>(params.dout, true, p, Traits::cols_v(p));
+  auto dout = gmem_tensor<const Element>(params.dout, true, p, p.cols_v());
   auto k = gmem_tensor<const Element>(params.k, false, p);
-  auto v = gmem_tensor<const Element>(params.v, false, p, Traits::cols_v(p));
+  auto v = gmem_tensor<const Element>(params.v, false, p, p.cols_v());
   kp.tma_q = make_tma_copy(SM90_TMA_LOAD{}, q, take<0, 2>(typename Traits::SmemLayoutQ{}),
                            Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{});
   kp.tma_do = make_tma_copy(SM90_TMA_LOAD{}, dout, take<0, 2>(typename Traits::SmemLayoutdO{}),
@@ -177,12 +177,9 @@ Status run_bwd_v(const BwdParams& params, cudaStream_t stream) {
 // Declared in sm90/launch.h: AttnProblem::head_dim_v picks one of kHeadDimsV, or 0 V at kHeadDim.
 template <int kHeadDim, typename Element, int... kHeadDimsV>
 Status run_bwd(const BwdParams& params, cudaStream_t stream) {
-  const int head_dim_v = params.problem.head_dim_v;
-  if (head_dim_v == 0) return run_bwd_v<kHeadDim, Element>(params, stream);
-  Status s{Status::kNotBuilt, "sm90 backward: no kernel for v's head dim " + std::to_string(head_dim_v) +
-                                  " at head dim " + std::to_string(kHeadDim)};
-  ((head_dim_v == kHeadDimsV ? (void)(s = run_bwd_v<kHeadDim, Element, kHeadDimsV>(params, stream)) : (void)0), ...);
-  return s;
+  return with_head_dim_v<kHeadDim, kHeadDimsV...>(params.problem, "sm90 backward", [&](auto v) {
+    return run_bwd_v<kHeadDim, Element, decltype(v)::value>(params, stream);
+  });
 }
 
 }  // namespace cutlass_flash::sm90

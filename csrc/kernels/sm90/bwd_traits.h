@@ -133,11 +133,6 @@ struct BwdTraitsBase {
   using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{},
                                       make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}),
                                       SmemLayoutV{}, Shape<Int<kBlockN>, Int<kHeadDimV>>{}, _1{}));
-  // The columns of v, dout, out and dv in memory: a kernel with a head dim of V of its own takes
-  // exactly kHeadDimV (the host API refuses head_dim_real beside head_dim_v).
-  __device__ __host__ static constexpr int cols_v(const AttnProblem& p) {
-    return kHeadDimV == kHeadDim ? p.cols() : kHeadDimV;
-  }
 
   // Q with its LSE, dO with its D: one pipeline stage each.
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;

@@ -65,7 +65,7 @@ struct FwdEpilogue {
     Tensor sO = make_tensor(make_smem_ptr(slab), typename Traits::SmemLayoutSlabO{});
     Element* o = seq.q_rows<Element>(p, params.o, tile.head) + int64_t(first_row) * params.o.row_stride;
     store_rows_16b<64, kHeadDimV, 128, /*kUnroll=*/false>(sO, 0, o, params.o.row_stride, seq.seqlen_q - first_row,
-                                                          kHeadDimV == Traits::kHeadDim ? p.cols() : kHeadDimV, tid);
+                                                          cols_in_memory<Traits::kHeadDim, kHeadDimV>(p), tid);
   }
 
   // acc_o: this thread's part of the normalised output of its warpgroup's 64 rows (fp32).

@@ -4,8 +4,6 @@
 
 #include <cute/tensor.hpp>
 
-#include <string>
-
 #include "kernels/common/launch_utils.h"
 #include "kernels/sm90/fwd_kernel.h"
 #include "kernels/sm90/fwd_traits.h"
@@ -104,12 +102,9 @@ Status run_fwd_v(const FwdParams& params, cudaStream_t stream) {
 // Declared in sm90/launch.h: AttnProblem::head_dim_v picks one of kHeadDimsV, or 0 V at kHeadDim.
 template <int kHeadDim, typename Element, int... kHeadDimsV>
 Status run_fwd(const FwdParams& params, cudaStream_t stream) {
-  const int head_dim_v = params.problem.head_dim_v;
-  if (head_dim_v == 0) return run_fwd_v<kHeadDim, Element>(params, stream);
-  Status s{Status::kNotBuilt, "sm90 forward: no kernel for v's head dim " + std::to_string(head_dim_v) +
-                                  " at head dim " + std::to_string(kHeadDim)};
-  ((head_dim_v == kHeadDimsV ? (void)(s = run_fwd_v<kHeadDim, Element, kHeadDimsV>(params, stream)) : (void)0), ...);
-  return s;
+  return with_head_dim_v<kHeadDim, kHeadDimsV...>(params.problem, "sm90 forward", [&](auto v) {
+    return run_fwd_v<kHeadDim, Element, decltype(v)::value>(params, stream);
+  });
 }
 
 }  // namespace cutlass_flash::sm90

@@ -6,6 +6,9 @@
 
 #include <cuda_runtime_api.h>
 
+#include <string>
+#include <type_traits>
+
 #include "cutlass_flash/api.h"
 #include "cutlass_flash/params.h"
 
@@ -22,5 +25,16 @@ Status run_fwd(const FwdParams& params, cudaStream_t stream);
 
 template <int kHeadDim, typename Element, int... kHeadDimsV>
 Status run_bwd(const BwdParams& params, cudaStream_t stream);
+
+// run_fwd's and run_bwd's choice: run(std::integral_constant<int, V>) for V = the problem's
+// head_dim_v among kHeadDimsV, V = kHeadDim where head_dim_v is 0, else kNotBuilt.
+template <int kHeadDim, int... kHeadDimsV, typename Run>
+Status with_head_dim_v(const AttnProblem& p, const char* what, Run&& run) {
+  if (p.head_dim_v == 0) return run(std::integral_constant<int, kHeadDim>{});
+  Status s{Status::kNotBuilt, std::string(what) + ": no kernel for v's head dim " + std::to_string(p.head_dim_v) +
+                                  " at head dim " + std::to_string(kHeadDim)};
+  ((p.head_dim_v == kHeadDimsV ? (void)(s = run(std::integral_constant<int, kHeadDimsV>{})) : (void)0), ...);
+  return s;
+}
 
 }  // namespace cutlass_flash::sm90

@@ -160,6 +160,14 @@ __device__ __forceinline__ void red_add(float4* dst, float4 v) {
 // Orders the async proxy's global accesses (bulk reduce-adds) against the generic proxy's.
 __device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 
+// The columns in memory of a tensor whose tile is kWidth wide in a kernel of head dim kHeadDim:
+// the problem's (AttnProblem::cols) at kHeadDim, else exactly kWidth (V, O, dO and dV of a kernel
+// with a head dim of V of its own; the host API refuses head_dim_real beside head_dim_v).
+template <int kHeadDim, int kWidth>
+__device__ __forceinline__ int cols_in_memory(const AttnProblem& p) {
+  return kWidth == kHeadDim ? p.cols() : kWidth;
+}
+
 // The TMA coordinate tensor of (sequence seq, head) of a query-side (kQuery) or key-side tensor
 // as (rows, d): the descriptor's (seqlen, d, head, batch), or for a variable-length batch its
 // (total, d, head, 1) from the sequence's first row (tma_plan.h, gmem_tensor). Loads past the
