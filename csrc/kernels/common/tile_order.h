@@ -156,22 +156,27 @@ struct GridTileMapT {
   }
 
 #if defined(__CUDACC__)
-  __device__ static TileCoord get(const Params& sp, bool longest_first) {
+  // ascending_group > 0 (a dense grid, not longest_first): blocks ascending outer, that many
+  // (head, batch) pairs inner, as PersistentTileOrder's groups with the block order reversed.
+  __device__ static TileCoord get(const Params& sp, bool longest_first, int ascending_group = 0) {
     if (kPackable && sp.tiles.count != nullptr) {
       const int n = sp.tiles.size(), x = int(blockIdx.x);
       if (x >= n) return {-1, int(blockIdx.y), 0};
       return sp.tiles.at(longest_first ? n - 1 - x : x, int(blockIdx.y));
     }
-    return dense(int(blockIdx.x), int(blockIdx.y), int(blockIdx.z), longest_first);
+    return dense(int(blockIdx.x), int(blockIdx.y), int(blockIdx.z), longest_first, ascending_group);
   }
 
-  // A dense grid's block (x, y, z): the tile (x, y, z), or in PersistentTileOrder's causal order.
-  __device__ static TileCoord dense(int x, int y, int z, bool longest_first) {
-    if (!longest_first) return {x, y, z};
+  // A dense grid's block (x, y, z): the tile (x, y, z), or in PersistentTileOrder's causal order,
+  // or that order's groups with blocks ascending.
+  __device__ static TileCoord dense(int x, int y, int z, bool longest_first, int ascending_group = 0) {
+    if (!longest_first && ascending_group <= 0) return {x, y, z};
     const int pairs = int(gridDim.y * gridDim.z);
     const PersistentTileOrder order(int(gridDim.x), int(gridDim.y), int(gridDim.z), true,
-                                    PersistentTileOrder::group_size(pairs));
-    return order.coord(x + int(gridDim.x) * (y + int(gridDim.y) * z));
+                                    longest_first ? PersistentTileOrder::group_size(pairs) : ascending_group);
+    TileCoord t = order.coord(x + int(gridDim.x) * (y + int(gridDim.y) * z));
+    if (!longest_first) t.block = int(gridDim.x) - 1 - t.block;
+    return t;
   }
 
   // The same tile, read again where it is called: the compiler cannot prove it equal to get()'s,

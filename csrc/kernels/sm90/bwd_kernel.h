@@ -36,16 +36,17 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
 
   const AttnProblem& p = params.problem;
   const int warp_group = cutlass::canonical_warp_group_idx();
-  // Key blocks in blockIdx.x: under a causal mask the first ones see the most queries and start
-  // first. Deterministic mode relies on the blocks a block waits for starting first
-  // (common/dq_semaphore.h): under a right-bounded mask it adds dQ in decreasing key-block order
-  // (BwdSteps::upward) and launches the highest block first. Only with one dQ copy (below
+  // Key blocks: under a causal mask the lowest see the most queries and start first, ascending
+  // across groups of (head, batch) pairs (key_block_group, bwd_launch.h). Deterministic mode
+  // relies on the blocks a block waits for starting first (common/dq_semaphore.h): under a
+  // right-bounded mask it adds dQ in decreasing key-block order (BwdSteps::upward) and launches
+  // the highest block first. Only with one dQ copy (below
   // kBwdDqGroupsMinSeqlenKRightBounded = 8k keys, and variable-length batches): the blocks in
   // flight then read Q, dO and dQ from all of a head's query blocks instead of a band of them, and
   // at 8k keys the upward walk measured 0.42-0.52x of the default speed at d = 128 / 256 where the
   // downward walk with four dQ copies keeps 0.77-0.81x (PERFLOG.md entry 62).
   const bool upward = params.semaphores() != nullptr && p.window_right >= 0 && params.dq_groups == 1;
-  const TileCoord tile = Scheduler::get(params.scheduler, /*longest_first=*/upward);
+  const TileCoord tile = Scheduler::get(params.scheduler, /*longest_first=*/upward, params.key_block_group);
   if constexpr (Scheduler::kPackable) {
     if (tile.block < 0) return;  // past a packed batch's key blocks
   }

@@ -68,7 +68,7 @@ struct BwdSteps {
 // vectors, so each warp's stores cover 512 consecutive bytes, free of bank conflicts. The
 // postprocess reads the tile back with the same map.
 template <typename Traits>
-__host__ __device__ __forceinline__ int dq_index(int i, int tid) {
+__host__ __device__ __forceinline__ constexpr int dq_index(int i, int tid) {
   return ((i / 4) * Traits::kNMmaThreads + tid) * 4 + i % 4;
 }
 

@@ -127,7 +127,10 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_, Features_> {
     // head dim of its own).
     const bool has_dv = kAllHaveDv || wg_thread < Traits::kdVWarpGroups * 128;
 
-    auto [tSrK, tSrQ, tdPrV, tdPrdO, tdQrdS, tdQrK] = Base::score_and_dq_operands(wg_sdp, wg_dq, shared);
+    auto [tSrK, tSrQ, tdPrV, tdPrdO, tdQrdS_, tdQrK_] = Base::score_and_dq_operands(wg_sdp, wg_dq, shared);
+    // Plain references for the step's lambda (capturing a structured binding is C++20).
+    auto& tdQrdS = tdQrdS_;
+    auto& tdQrK = tdQrK_;
     // dV (+)= P^T dO and dK (+)= dS^T Q read P^T, dS^T (key, query) and dO^T, Q^T (d, query)
     // through the transposed views of their tiles: as A and B (keys as rows), or as B and A (the
     // transposed products dV^T = dO^T P, dK^T = Q^T dS, queries as rows).
@@ -239,11 +242,16 @@ struct BwdMainloopSplitD : BwdMainloop<Traits_, Features_> {
   // measured 0.97-1.00x at d = 192 / 256 (PERFLOG.md entry 57).
   template <typename Params, typename AccdQ>
   __device__ static void add_dq(const Params& params, const AccdQ& acc_dq, int64_t row, int m, int tid) {
-    float4* dst = reinterpret_cast<float4*>(params.dq_accum + (row + int64_t(m) * kBlockM) * kHeadDim);
+    // The thread's first vector, then constant steps of kNMmaThreads vectors (dq_index): one 64-bit
+    // address a step, the others immediate offsets of the reductions. Indexed as dq_index(4 j, tid)
+    // (an int), each reduction had an add and a widening multiply of its own.
+    float4* dst = reinterpret_cast<float4*>(params.dq_accum + (row + int64_t(m) * kBlockM) * kHeadDim) +
+                  dq_index<Traits>(0, tid) / 4;
+    static_assert(dq_index<Traits>(4, 0) / 4 == Traits::kNMmaThreads);
     auto add = [&] {
       CUTE_UNROLL
       for (int j = 0; j < size(acc_dq) / 4; ++j)
-        red_add(dst + dq_index<Traits>(4 * j, tid) / 4,
+        red_add(dst + j * Traits::kNMmaThreads,
                 make_float4(acc_dq(4 * j), acc_dq(4 * j + 1), acc_dq(4 * j + 2), acc_dq(4 * j + 3)));
     };
     if (params.semaphores() != nullptr) {
