@@ -108,7 +108,7 @@ void run_config(const Buffers& b, FwdParams params, size_t o_elems, bool first, 
   const double flops = 4.0 * p.batch * p.nheads * double(p.seqlen_q) * p.seqlen_k * p.head_dim / (p.is_causal() ? 2 : 1);
   if (group) std::printf("  group %3d", group);
   std::printf("  %3dx%3dx%d  smem %3d KiB%s  %6.1f TFLOPS  max|O - O_first| %.3g  %s\n", kBlockM, kBlockN, kStages,
-              Traits::kSmemBytes / 1024, Traits::kOAliasesQ ? " (O over Q)" : "           ",
+              Traits::kSmemBytes / 1024, Traits::kOInV ? " (O in V)  " : "           ",
               flops / (ms / kIters * 1e-3) / 1e12, diff, cudaGetErrorString(cudaGetLastError()));
 }
 

@@ -242,6 +242,15 @@ def window_cases():
     return out
 
 
+def keyless_tile_cases():
+    """Causal with seqlen_q 800 past seqlen_k: the first six 128-row query tiles see no key (O = 0,
+    lse = +inf). 4 batches x 8 heads x 8 tiles are more tiles than an H100 / H200 has SMs, so a
+    persistent sm90 block takes such a tile after one with keys: at d = 192 and 256 the sm90
+    forward stages O in V's stages, and a tile without keys must store its zeros past them."""
+    return [Case(4, 1000, 200, 8, 2, hd, "bf16", True, arch)
+            for arch in kernel_archs() for hd in (192, 256) if hd in head_dims()]
+
+
 def softcap_cases():
     """softcap (Gemma 2 uses 50 and 30) at every head dim, with q scaled by 4 so that tanh
     saturates for part of the scores, causal or not, a window, GQA; per family."""

@@ -17,13 +17,17 @@ def poison_cuda_cache(case, device="cuda", copies=3):
     hd = cutlass_flash.padded_head_dim(case.head_dim)
     B, Sq, Sk, H, Hkv, D = (case.batch, case.seqlen_q, case.seqlen_k, case.nheads,
                             case.nheads_kv, case.head_dim)
-    sizes = {
+    poison_cuda_blocks({
         2 * B * Sq * H * hd,   # out, dq (padded)
         4 * B * H * Sq,        # lse
         2 * B * Sk * Hkv * hd,  # dk, dv (padded)
         2 * B * Sq * H * D,    # out, dq (sliced)
         2 * B * Sk * Hkv * D,  # dk, dv (sliced)
-    }
+    }, device, copies)
+
+
+def poison_cuda_blocks(sizes, device="cuda", copies=3):
+    """NaN-filled blocks of these byte sizes left in the caching allocator (poison_cuda_cache)."""
     blocks = [torch.full((n,), 0xFF, dtype=torch.uint8, device=device)
               for n in sorted(sizes) for _ in range(copies)]
     del blocks  # back to the cache, still holding 0xFF bytes (NaN in fp16, bf16 and fp32)

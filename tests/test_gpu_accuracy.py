@@ -22,6 +22,7 @@ _GRIDS = {
     "layout_case": cases.layout_cases,
     "large_logit_case": cases.large_logit_cases,
     "window_case": cases.window_cases,
+    "keyless_tile_case": cases.keyless_tile_cases,
     "softcap_case": cases.softcap_cases,
     "alibi_case": cases.alibi_cases,
     "dropout_case": cases.dropout_cases,
@@ -71,6 +72,11 @@ def test_large_logits(large_logit_case):
 def test_windows(window_case):
     """Sliding windows (window_size), with and without causal, seqlen_q != seqlen_k both ways."""
     check_case(window_case)
+
+
+def test_keyless_tiles(keyless_tile_case):
+    """Query tiles that see no key, after tiles with keys on the same persistent block."""
+    check_case(keyless_tile_case)
 
 
 def test_softcap(softcap_case):

@@ -237,9 +237,9 @@ def test_varlen_accuracy(arch, dtype, head_dim, causal, window, alibi):
         assert_within_tolerance(f"varlen d={head_dim} {name}", o, s, r, slack=slack(name, rows_per_key, head_dim))
 
 
-def _a_built_head_dim():
+def _a_built_head_dim(arch):
     for d in head_dims():
-        if not missing_kernels(Case(1, 1, 1, 4, 2, d, "bf16", False, 0)):
+        if not missing_kernels(Case(1, 1, 1, 4, 2, d, "bf16", False, arch)):
             return d
     import gpu_check
 
@@ -253,7 +253,7 @@ def test_varlen_deterministic_alone_and_in_batch(arch):
     """deterministic=True: bit-identical over runs, and one sequence's gradients the same bits
     alone as inside the packed batch."""
     lq, lk = (300, 1000, 77), (900, 1000, 500)
-    q, k, v, dout, cu_q, cu_k = packed(lq, lk, 4, 2, _a_built_head_dim(), torch.bfloat16, "cuda", seed=1)
+    q, k, v, dout, cu_q, cu_k = packed(lq, lk, 4, 2, _a_built_head_dim(arch), torch.bfloat16, "cuda", seed=1)
     with cutlass_flash.force_arch(arch):
         first = _run(q, k, v, dout, cu_q, cu_k, lq, lk, causal=True, deterministic=True)
         again = _run(q, k, v, dout, cu_q, cu_k, lq, lk, causal=True, deterministic=True)
@@ -275,7 +275,7 @@ def test_varlen_bad_cu_seqlens_stay_in_bounds(arch):
     """cu_seqlens past the tensors, decreasing or not starting at 0: the kernels clamp, so the
     call completes without a CUDA error (compute-sanitizer's memcheck would name any stray
     access: lab/sanitize_small.py)."""
-    q, k, v, dout, cu_q, cu_k = packed((100, 200), (150, 50), 2, 2, _a_built_head_dim(), torch.bfloat16, "cuda")
+    q, k, v, dout, cu_q, cu_k = packed((100, 200), (150, 50), 2, 2, _a_built_head_dim(arch), torch.bfloat16, "cuda")
     for bad in ([0, 100, 100000], [50, 10, 300], [-7, 300, 200]):
         cu = torch.tensor(bad, dtype=torch.int32, device="cuda")
         with cutlass_flash.force_arch(arch):

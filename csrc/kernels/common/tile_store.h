@@ -44,4 +44,17 @@ __device__ __forceinline__ void store_rows_16b(const Smem& s, int first, Element
   }
 }
 
+// Zeros to rows [0, min(kRows, rows_left)) and columns [0, cols) of `dst` (row stride
+// `row_stride` elements), in 16-byte stores by kThreads threads (tid in [0, kThreads)).
+template <int kRows, int kCols, int kThreads, typename Element>
+__device__ __forceinline__ void zero_rows_16b(Element* dst, int64_t row_stride, int rows_left, int cols, int tid) {
+  constexpr int kChunks = kCols * int(sizeof(Element)) / 16;  // 16-byte chunks per row
+#pragma unroll 1
+  for (int i = tid; i < kRows * kChunks; i += kThreads) {
+    const int row = i / kChunks, col = i % kChunks * 8;
+    if (row < rows_left && col < cols)
+      *reinterpret_cast<uint4*>(dst + int64_t(row) * row_stride + col) = make_uint4(0, 0, 0, 0);
+  }
+}
+
 }  // namespace cutlass_flash

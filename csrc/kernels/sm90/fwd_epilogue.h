@@ -24,8 +24,8 @@ struct FwdEpilogue {
   using Element = typename Traits::Element;
   static constexpr int kBlockM = Traits::kBlockM, kHeadDimV = Traits::kHeadDimV;  // O is (rows, kHeadDimV)
 
-  __device__ __forceinline__ static Element* smem_o(typename Traits::SharedStorage& shared) {
-    return shared.qo.data() + (Traits::kOAliasesQ ? 0 : Traits::kQElems);
+  __device__ __forceinline__ static Element* smem_o(typename Traits::SharedStorage& shared, int wg) {
+    return (Traits::kOInV ? shared.v.data() : shared.qo.data() + Traits::kQElems) + wg * Traits::kSlabElemsO;
   }
 
   // Writes warpgroup wg's rows of lse: each row's value sits in all 4 threads of its quad; the
@@ -68,74 +68,121 @@ struct FwdEpilogue {
                                                           cols_in_memory<Traits::kHeadDim, kHeadDimV>(p), tid);
   }
 
-  // acc_o: this thread's part of the normalised output of its warpgroup's 64 rows (fp32).
+  // O = 0 of a tile whose rows see no key, straight to global memory: with O staged in V's stages
+  // (Traits::kOInV) such a tile, which the K/V thread never waits for, may not write them.
+  template <typename Params>
+  __device__ __forceinline__ static void store_zero_slab(const Params& params, const TileCoord& tile, int wg, int tid) {
+    const AttnProblem& p = params.problem;
+    const SeqInfo seq(p, tile.batch);
+    const int first_row = tile.block * kBlockM + wg * 64;
+    Element* o = seq.q_rows<Element>(p, params.o, tile.head) + int64_t(first_row) * params.o.row_stride;
+    zero_rows_16b<64, kHeadDimV, 128>(o, params.o.row_stride, seq.seqlen_q - first_row,
+                                      cols_in_memory<Traits::kHeadDim, kHeadDimV>(p), tid);
+  }
+
+  // Whether warpgroup wg's slab of the tile is a variable-length sequence's last, partial one:
+  // the TMA unit clips rows only at the packed tensor's end (dense: past seqlen_q), so the threads
+  // copy it instead.
+  template <typename Params>
+  __device__ __forceinline__ static bool partial_slab(const Params& params, const TileCoord& tile, int wg) {
+    const AttnProblem& p = params.problem;
+    return p.is_varlen() && SeqInfo(p, tile.batch).seqlen_q - (tile.block * kBlockM + wg * 64) < 64;
+  }
+
+  // The TMA store of warpgroup wg's slab of the tile (not a partial one), by one thread.
+  template <typename Params, typename SmemO>
+  __device__ __forceinline__ static void store_slab(const Params& params, const SmemO& sO, const TileCoord& tile,
+                                                    int wg) {
+    const AttnProblem& p = params.problem;
+    // O's tile width (a named copy: the lambda would odr-use the member); p.head_dim where V has
+    // no head dim of its own, as in mainloop.h's load of V.
+    const int cols = kHeadDimV == Traits::kHeadDim ? p.head_dim : kHeadDimV;
+    auto store = [&](auto mO) {
+      Tensor gO =
+          local_tile(mO, Shape<_64, Int<kHeadDimV>>{}, make_coord(tile.block * Traits::kNMmaWarpGroups + wg, _0{}));
+      auto [tOgO, tOsSlab] =
+          tma_partition(params.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO), group_modes<0, 2>(gO));
+      copy(params.tma_o, tOsSlab, tOgO);
+    };
+    if (p.is_varlen())
+      store(sequence_rows<true>(params.tma_o, p, SeqInfo(p, tile.batch), tile.head, cols));
+    else
+      store(params.tma_o.get_tma_tensor(make_shape(p.seqlen_q, cols, p.nheads, p.batch))(_, _, tile.head, tile.batch));
+  }
+
+  // With O in V's stages (Traits::kOInV), the K/V thread's part: the TMA stores of a tile the
+  // consumers staged (o_full), waited for until they have read shared memory, before it loads
+  // the next tile's V there. The consumers go on to their next tile without waiting for them.
+  template <typename Params>
+  __device__ __forceinline__ static void store_staged(const Params& params, typename Traits::SharedStorage& shared,
+                                                      const TileCoord& tile) {
+    CUTE_UNROLL
+    for (int wg = 0; wg < Traits::kNMmaWarpGroups; ++wg) {
+      if (!partial_slab(params, tile, wg))
+        store_slab(params, make_tensor(make_smem_ptr(smem_o(shared, wg)), typename Traits::SmemLayoutSlabO{}), tile,
+                   wg);
+    }
+    tma_store_arrive();
+    tma_store_wait<0>();
+  }
+
+  // acc_o: this thread's part of the normalised output of its warpgroup's 64 rows (fp32);
+  // has_keys: whether the tile's rows see any key (else O = 0).
   template <typename Params, typename AccO, typename Lse>
   __device__ __forceinline__ static void store(const Params& params, typename Traits::SharedStorage& shared,
-                                               const TileCoord& tile, const AccO& acc_o, const Lse& lse) {
+                                               const TileCoord& tile, const AccO& acc_o, const Lse& lse,
+                                               bool has_keys) {
     // The warpgroup and thread index read here, not passed in: what the store derives from them
     // (its shared-memory addresses, its barrier id) was otherwise hoisted out of the tile loop and
     // spilled across the mainloop at d = 256 (PERFLOG 65).
     const int wg = __shfl_sync(0xffffffff, opaque_thread_idx() / 128, 0) - 1, tid = opaque_thread_idx() % 128;
-    const AttnProblem& p = params.problem;
     const bool leader = tid == 0;
     const int barrier = int(FwdBarrier::kEpilogueWG1) + wg;
     typename Traits::TiledMmaPV mma_pv;
     auto copy_o = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_pv);
     auto thr_copy = copy_o.get_thread_slice(tid);
-    Tensor sO =
-        make_tensor(make_smem_ptr(smem_o(shared) + wg * Traits::kOSlabStride), typename Traits::SmemLayoutSlabO{});
+    Tensor sO = make_tensor(make_smem_ptr(smem_o(shared, wg)), typename Traits::SmemLayoutSlabO{});
     Tensor rO = convert_type<Element>(acc_o);
     Tensor tOrO = thr_copy.retile_S(rO);
     Tensor tOsO = thr_copy.partition_D(sO);
+    const bool partial = partial_slab(params, tile, wg);
 
-    // The slab is free once this warpgroup's previous TMA store has read it (aliased: once the
-    // tile's last S GEMM, which every thread of the warpgroup has waited for, has read Q).
-    if constexpr (!Traits::kOAliasesQ) {
-      if (leader) tma_store_wait<0>();
-    }
-    cutlass::arch::NamedBarrier::sync(128, barrier);
-    copy(copy_o, tOrO, tOsO);
-    const bool partial = p.is_varlen() && SeqInfo(p, tile.batch).seqlen_q - (tile.block * kBlockM + wg * 64) < 64;
-    if (!partial) {
-      cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read next by TMA
-      cutlass::arch::NamedBarrier::sync(128, barrier);
-      if (leader) {
-        // O's tile width (a named copy: the lambda would odr-use the member); p.head_dim where V has
-        // no head dim of its own, as in mainloop.h's load of V.
-        const int cols = kHeadDimV == Traits::kHeadDim ? p.head_dim : kHeadDimV;
-        // Dense: rows past seqlen_q are clipped by the TMA unit. Varlen: only at the packed
-        // tensor's end, so a sequence's last, partial slab is copied by the threads instead.
-        auto store_slab = [&](auto mO) {
-          Tensor gO =
-              local_tile(mO, Shape<_64, Int<kHeadDimV>>{}, make_coord(tile.block * Traits::kNMmaWarpGroups + wg, _0{}));
-          auto [tOgO, tOsSlab] =
-              tma_partition(params.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO), group_modes<0, 2>(gO));
-          copy(params.tma_o, tOsSlab, tOgO);
-        };
-        if (p.is_varlen())
-          store_slab(sequence_rows<true>(params.tma_o, p, SeqInfo(p, tile.batch), tile.head, cols));
-        else
-          store_slab(params.tma_o.get_tma_tensor(make_shape(p.seqlen_q, cols, p.nheads, p.batch))(_, _, tile.head,
-                                                                                                  tile.batch));
-        tma_store_arrive();
-        if constexpr (Traits::kOAliasesQ) tma_store_wait<0>();
+    if constexpr (Traits::kOInV) {
+      if (!has_keys) {
+        store_zero_slab(params, tile, wg, tid);
+      } else {
+        // Every warpgroup's last P V GEMM has read V's stages (each waited for it), and the K/V
+        // thread loads no V there before it has stored this O: O may be staged in them.
+        cutlass::arch::NamedBarrier::sync(Traits::kNMmaThreads, int(FwdBarrier::kOInV));
+        copy(copy_o, tOrO, tOsO);
+        if (partial) {
+          cutlass::arch::NamedBarrier::sync(128, barrier);
+          store_partial_slab(params, smem_o(shared, wg), tile, wg, tid);
+        } else {
+          cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read next by TMA
+        }
+        shared.o_full.arrive();
       }
     } else {
+      // The slab is free once this warpgroup's previous TMA store has read it.
+      if (leader) tma_store_wait<0>();
       cutlass::arch::NamedBarrier::sync(128, barrier);
-      store_partial_slab(params, smem_o(shared) + wg * Traits::kOSlabStride, tile, wg, tid);
-      if constexpr (!Traits::kOAliasesQ) {
+      copy(copy_o, tOrO, tOsO);
+      if (!partial) {
+        cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read next by TMA
+        cutlass::arch::NamedBarrier::sync(128, barrier);
+        if (leader) {
+          store_slab(params, sO, tile, wg);
+          tma_store_arrive();
+        }
+      } else {
+        cutlass::arch::NamedBarrier::sync(128, barrier);
+        store_partial_slab(params, smem_o(shared, wg), tile, wg, tid);
         // The next tile's stmatrix may overwrite the slab once every thread has read it.
         cutlass::arch::NamedBarrier::sync(128, barrier);
       }
     }
     store_lse(params, tile, lse, wg, tid);
-    if constexpr (Traits::kOAliasesQ) {
-      // The store has left the slab: the producer may load the next Q over it. Every thread
-      // arrives (not the leader alone), so that each thread's read of this tile's index comes
-      // before the producer writes the next one by a chain compute-sanitizer's racecheck follows.
-      cutlass::arch::NamedBarrier::sync(128, barrier);
-      shared.q_empty.arrive();
-    }
   }
 
   // Shared memory must outlive the last TMA store's reads of it.

@@ -49,6 +49,7 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
     prefetch_tma_descriptor(params.tma_o.get_tma_descriptor());
     shared.q_full.init(1);
     shared.q_empty.init(Traits::kQEmptyArrivals);
+    if constexpr (Traits::kOInV) shared.o_full.init(Traits::kNMmaThreads);
     Scheduler::init(shared.scheduler);
   }
   typename PipelineKV::Params pipeline_params;
@@ -64,14 +65,26 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
     // The persistent protocol: sm90/tile_scheduler.h.
-    if (threadIdx.x == 0) {  // K/V thread
+    if (threadIdx.x == 0) {  // K/V thread (and, with O in V's stages, O's stores)
       typename Mainloop::KVState state;
+      TileCoord staged{-1, 0, 0};  // the last tile with keys: its O is staged in V's stages
+      int stored = 0;              // phases of o_full
+      auto store_staged = [&] {
+        if constexpr (Traits::kOInV) {
+          if (staged.block < 0) return;
+          shared.o_full.wait(stored++ & 1);
+          Epilogue::store_staged(params, shared, staged);
+        }
+      };
       for (int i = 0;; ++i) {
         const TileWork w = Scheduler::take(shared.scheduler, i);
         if (w.coord.block < 0) break;
-        if (w.n_min < w.n_max)
-          Mainloop::load_kv(params, shared, pipeline_k, pipeline_v, state, w.coord, w.n_min, w.n_max);
+        if (w.n_min < w.n_max) {
+          Mainloop::load_kv(params, shared, pipeline_k, pipeline_v, state, w.coord, w.n_min, w.n_max, store_staged);
+          staged = w.coord;
+        }
       }
+      store_staged();
     } else if (threadIdx.x == 32) {  // tile thread
       const auto order = Scheduler::order(params.scheduler, p);
       const TileWork end{{-1, 0, 0}, 0, 0};
@@ -111,7 +124,7 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
         Mainloop::release_q(shared);
       Tensor lse = make_tensor<float>(Shape<Int<decltype(size<0>(acc_o_rc))::value>>{});
       Score::finalize(softmax, acc_o_rc, lse, p, tile.head);
-      Epilogue::store(params, shared, tile, acc_o, lse);
+      Epilogue::store(params, shared, tile, acc_o, lse, n_min < n_max);
     }
     Epilogue::finish(tid);
   }

@@ -70,10 +70,10 @@ struct FwdMainloop {
   };
 
   // Tile thread: publishes the i-th tile of this block once the consumers are done with the
-  // previous tile's Q (or, with O in Q's place, its O store): its coordinates and key-block range,
-  // decoded here once so that the consumers hold nothing of the tile order across their tile loop
-  // (decoding it themselves, the d = 256 consumers spilled the tile count: PERFLOG 65), and Q when
-  // the tile has keys. An end marker (coord.block < 0) ends the consumers' loop.
+  // previous tile's Q: its coordinates and key-block range, decoded here once so that the
+  // consumers hold nothing of the tile order across their tile loop (decoding it themselves, the
+  // d = 256 consumers spilled the tile count: PERFLOG 65), and Q when the tile has keys. An end
+  // marker (coord.block < 0) ends the consumers' loop.
   template <typename Params>
   __device__ __forceinline__ static void publish(const Params& params, typename Traits::SharedStorage& shared, int i,
                                                  const TileWork& w) {
@@ -107,11 +107,13 @@ struct FwdMainloop {
     ++state;
   }
 
-  // K/V thread: K[n_max-1], then K[n], V[n+1] for n descending, then V[n_min].
-  template <typename Params>
+  // K/V thread: K[n_max-1], then K[n], V[n+1] for n descending, then V[n_min]. With O staged in
+  // V's stages (Traits::kOInV) before_v (the previous tile's O stores) runs before the tile's first
+  // V, after its first two K blocks.
+  template <typename Params, typename BeforeV>
   __device__ __forceinline__ static void load_kv(const Params& params, typename Traits::SharedStorage& shared,
                                                  PipelineKV& pipeline_k, PipelineKV& pipeline_v, KVState& st,
-                                                 const TileCoord& tile, int n_min, int n_max) {
+                                                 const TileCoord& tile, int n_min, int n_max, BeforeV&& before_v) {
     const AttnProblem& p = params.problem;
     const int head_kv = tile.head / (p.nheads / p.nheads_kv);
     const SeqInfo seq(p, tile.batch);
@@ -126,8 +128,17 @@ struct FwdMainloop {
     auto [tKgK, tKsK] = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
     auto [tVgV, tVsV] = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
     load_stage(params.tma_k, pipeline_k, st.k, tKgK, tKsK, n_max - 1);
+    int n = n_max - 2;
+    if constexpr (Traits::kOInV) {
+      if (n >= n_min) load_stage(params.tma_k, pipeline_k, st.k, tKgK, tKsK, n);
+      before_v();
+      if (n >= n_min) {
+        load_stage(params.tma_v, pipeline_v, st.v, tVgV, tVsV, n + 1);
+        --n;
+      }
+    }
 #pragma unroll 1
-    for (int n = n_max - 2; n >= n_min; --n) {
+    for (; n >= n_min; --n) {
       load_stage(params.tma_k, pipeline_k, st.k, tKgK, tKsK, n);
       load_stage(params.tma_v, pipeline_v, st.v, tVgV, tVsV, n + 1);
     }
@@ -171,11 +182,8 @@ struct FwdMainloop {
     ++st.k;
   }
 
-  // Q has no reader left in this tile: the producer may load the next one over it. With O in Q's
-  // place the epilogue releases it instead, once its store has left the slab.
-  __device__ __forceinline__ static void release_q(typename Traits::SharedStorage& shared) {
-    if constexpr (!Traits::kOAliasesQ) shared.q_empty.arrive();
-  }
+  // Q has no reader left in this tile: the producer may load the next one over it.
+  __device__ __forceinline__ static void release_q(typename Traits::SharedStorage& shared) { shared.q_empty.arrive(); }
 
   // A packed sequence whose keys end inside its last key block (n_max - 1): the TMA unit clips
   // rows only at the packed tensor's end, so that block's K and V hold the next sequence's first

@@ -65,9 +65,7 @@ struct FwdTraits {
   template <int kRows, int kCols = kHeadDim>
   using SmemAtom =
       decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kRows>, Int<kCols>>());
-  // Q and O are stacks of 64-row slabs, one per consumer warpgroup, so that a warpgroup's rows of
-  // Q and of O are the same bytes: O can take Q's place (kOAliasesQ) with no warpgroup writing O
-  // over rows another warpgroup still multiplies.
+  // Q and O are stacks of 64-row slabs, one per consumer warpgroup (O's TMA store is per slab).
   using SmemLayoutSlab = decltype(tile_to_shape(SmemAtom<64>{}, Shape<_64, Int<kHeadDim>>{}));
   using SmemLayoutSlabO = decltype(tile_to_shape(SmemAtom<64, kHeadDimV>{}, Shape<_64, Int<kHeadDimV>>{}));
   static constexpr int kSlabElems = cosize_v<SmemLayoutSlab>, kSlabElemsO = cosize_v<SmemLayoutSlabO>;
@@ -81,12 +79,14 @@ struct FwdTraits {
   static constexpr int kKElems = cosize_v<SmemLayoutK>, kVElems = cosize_v<SmemLayoutV>;
   static constexpr int kSeparateOBytes = (kQElems + kOElems + kKElems + kVElems) * int(sizeof(Element));
   static constexpr int kMaxSmemBytes = 227 * 1024;
-  // When Q, O and the K/V stages do not fit side by side, O is written over Q (whose last reader
-  // is the tile's last S GEMM); the producer then loads the next tile's Q only once O is stored.
-  // Each warpgroup's O slab then lies at its Q slab.
-  static constexpr bool kOAliasesQ = kSeparateOBytes + 1024 > kMaxSmemBytes;
-  static_assert(!kOAliasesQ || kSlabElemsO <= kSlabElems, "an O slab in Q's place fits its Q slab");
-  static constexpr int kOSlabStride = kOAliasesQ ? kSlabElems : kSlabElemsO;  // elements between O slabs
+  // When Q, O and the K/V stages do not fit side by side (d = 192, 256, (192, 128)), O is staged
+  // in V's stages, as FlashAttention-3: every V read of the tile is done by then. The K/V thread
+  // stores it (o_full) before it loads the next tile's V there, so the consumers wait for no
+  // store, and the next Q and first K blocks load during the tile's last P V GEMM and epilogue.
+  // Staged in Q's place instead, the next tile's first GEMM waited for O's store and then Q's
+  // load (ncu, (192, 128), 2k: 4% of the stall samples; PERFLOG.md entry 103).
+  static constexpr bool kOInV = kSeparateOBytes + 1024 > kMaxSmemBytes;
+  static_assert(!kOInV || kOElems <= kVElems, "O's slabs fit in V's stages");
 
   static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kKBytes = kBlockN * kHeadDim * sizeof(Element);
@@ -110,7 +110,7 @@ struct FwdTraits {
   using PipelineKV = cutlass::PipelineTmaAsync<kStages>;
 
   struct SharedStorage {
-    cute::array_aligned<Element, kQElems + (kOAliasesQ ? 0 : kOElems), 1024> qo;  // Q, then O unless aliased
+    cute::array_aligned<Element, kQElems + (kOInV ? 0 : kOElems), 1024> qo;  // Q, then O unless in V's stages
     cute::array_aligned<Element, kKElems, 1024> k;
     cute::array_aligned<Element, kVElems, 1024> v;
     typename PipelineKV::SharedStorage pipeline_k;
@@ -122,12 +122,14 @@ struct FwdTraits {
     cutlass::arch::ClusterBarrier q_empty;
     TileWork tile;
     DynamicTileScheduler::SharedStorage scheduler;  // the tile thread's hand-over to the K/V thread
+    // kOInV: one phase per tile with keys, once every consumer has staged its O in V's stages
+    // (the K/V thread stores it: FwdEpilogue::store_staged).
+    cutlass::arch::ClusterBarrier o_full;
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= kMaxSmemBytes, "sm90 forward tile does not fit in shared memory");
 
-  // Arrivals that free Q for the next tile: every consumer thread, after the tile's last S GEMM,
-  // or, when O sits in Q's place, once its warpgroup's O store has left shared memory.
+  // Arrivals that free Q for the next tile: every consumer thread, after the tile's last S GEMM.
   static constexpr int kQEmptyArrivals = kNMmaThreads;
 };
 
@@ -136,6 +138,7 @@ enum class FwdBarrier : int {
   kPingPongWG1 = 0,  // + warpgroup index - 1: ping-pong of GEMM issue
   kEpilogueWG1 = 3,  // + warpgroup index - 1: a warpgroup's O staging in shared memory
   kVClip = 6,        // every consumer: a packed sequence's last V block cleared past its keys
+  kOInV = 7,         // every consumer: V's stages read, O may be staged in them (FwdTraits::kOInV)
 };
 
 // Kernel parameters: the library's plain FwdParams plus the TMA descriptors built from them.

@@ -2,8 +2,8 @@
 //
 // block_m is 64 rows per consumer warpgroup (one wgmma atom is 64 rows tall): 128 = two consumer
 // warpgroups ping-ponging, 192 = three. block_n is the key block of one pipeline stage. Shared
-// memory (227 KiB a block) bounds block_n x stages; past it the output tile reuses the query tile's
-// shared memory (see FwdTraits::kOAliasesQ). Measurements: PERFLOG.md, entries 9 and 13
+// memory (227 KiB a block) bounds block_n x stages; past it the output tile is staged in V's
+// stages (see FwdTraits::kOInV). Measurements: PERFLOG.md, entries 9 and 13
 // (benchmarks/tune_sm90.cu, bf16, TFLOPS at 1k / 2k / 8k tokens, non-causal).
 #pragma once
 
@@ -18,7 +18,7 @@ struct FwdTile {
 constexpr FwdTile fwd_tile(int head_dim);
 
 // With a head dim of V of its own (FwdTraits::kHeadDimV). (192, 128), MLA's: FlashAttention-3's
-// 128 x 128, O in Q's place: Q/O 48 + 2 x (K 48 + V 32) = 208 KiB.
+// 128 x 128, O in V's stages: Q 48 + 2 x (K 48 + V 32) = 208 KiB.
 constexpr FwdTile fwd_tile(int head_dim, int head_dim_v) {
   if (head_dim == 192 && head_dim_v == 128) return {128, 128, 2};
   return fwd_tile(head_dim);
@@ -35,10 +35,10 @@ constexpr FwdTile fwd_tile(int head_dim) {
   if (head_dim <= 96) return {192, 96, 2};
   // d = 128: 622 / 672 / 624; FlashAttention-3's 128x176 571 / 588 / 641, 128x160 578 / 627 / 640.
   if (head_dim <= 128) return {128, 128, 2};
-  // d = 192, O in Q's place: Q/O 48 + 2 x (K 36 + V 36) = 192 KiB. 654 / 729 / 755; 128x112
+  // d = 192, O in V's stages: Q 48 + 2 x (K 36 + V 36) = 192 KiB. 654 / 729 / 755; 128x112
   // 631 / 728 / 718.
   if (head_dim <= 192) return {128, 96, 2};
-  // d = 256, O in Q's place: Q/O 64 + 2 x (K 40 + V 40) = 224 KiB. 666 / 731 / 734; 128x64
+  // d = 256, O in V's stages: Q 64 + 2 x (K 40 + V 40) = 224 KiB. 666 / 731 / 734; 128x64
   // 645 / 707 / 675. No spills (ptxas -v) since the mask and scheduler are built after setmaxnreg
   // (PERFLOG.md, entry 16).
   return {128, 80, 2};
