@@ -156,24 +156,24 @@ struct GridTileMapT {
   }
 
 #if defined(__CUDACC__)
-  // ascending_group > 0 (a dense grid, not longest_first): blocks ascending outer, that many
-  // (head, batch) pairs inner, as PersistentTileOrder's groups with the block order reversed.
-  __device__ static TileCoord get(const Params& sp, bool longest_first, int ascending_group = 0) {
+  // ascending (a dense grid, not longest_first): PersistentTileOrder's groups with the block order
+  // reversed, blocks ascending outer and the group's (head, batch) pairs inner.
+  __device__ static TileCoord get(const Params& sp, bool longest_first, bool ascending = false) {
     if (kPackable && sp.tiles.count != nullptr) {
       const int n = sp.tiles.size(), x = int(blockIdx.x);
       if (x >= n) return {-1, int(blockIdx.y), 0};
       return sp.tiles.at(longest_first ? n - 1 - x : x, int(blockIdx.y));
     }
-    return dense(int(blockIdx.x), int(blockIdx.y), int(blockIdx.z), longest_first, ascending_group);
+    return dense(int(blockIdx.x), int(blockIdx.y), int(blockIdx.z), longest_first, ascending);
   }
 
   // A dense grid's block (x, y, z): the tile (x, y, z), or in PersistentTileOrder's causal order,
   // or that order's groups with blocks ascending.
-  __device__ static TileCoord dense(int x, int y, int z, bool longest_first, int ascending_group = 0) {
-    if (!longest_first && ascending_group <= 0) return {x, y, z};
+  __device__ static TileCoord dense(int x, int y, int z, bool longest_first, bool ascending = false) {
+    if (!longest_first && !ascending) return {x, y, z};
     const int pairs = int(gridDim.y * gridDim.z);
     const PersistentTileOrder order(int(gridDim.x), int(gridDim.y), int(gridDim.z), true,
-                                    longest_first ? PersistentTileOrder::group_size(pairs) : ascending_group);
+                                    PersistentTileOrder::group_size(pairs));
     TileCoord t = order.coord(x + int(gridDim.x) * (y + int(gridDim.y) * z));
     if (!longest_first) t.block = int(gridDim.x) - 1 - t.block;
     return t;

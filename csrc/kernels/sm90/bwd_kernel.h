@@ -36,17 +36,26 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
 
   const AttnProblem& p = params.problem;
   const int warp_group = cutlass::canonical_warp_group_idx();
-  // Key blocks: under a causal mask the lowest see the most queries and start first, ascending
-  // across groups of (head, batch) pairs (key_block_group, bwd_launch.h). Deterministic mode
-  // relies on the blocks a block waits for starting first (common/dq_semaphore.h): under a
-  // right-bounded mask it adds dQ in decreasing key-block order (BwdSteps::upward) and launches
-  // the highest block first. Only with one dQ copy (below
+  // Key blocks. Under a causal mask (right-bounded, left-unbounded) key block n sees the queries
+  // from about its own rows on, so the lowest blocks take longest. In the grid's order each
+  // (head, batch) pair's blocks started after the previous pair's, and the last pair's longest
+  // block ran near alone at the end (up to one block's work per SM: 22 of ~250 steps at 2k tokens,
+  // d = 192). They go ascending instead, over groups of PersistentTileOrder::kCausalGroup pairs,
+  // as the forward's causal order: +0.5-7.6% at d = 64-256, 2k / 8k; groups sized to 80% of L2 as
+  // FlashAttention-3's (SingleTileBwdLPTScheduler: 2 pairs at 8k, d = 192) ran up to 5% behind
+  // (PERFLOG.md entry 103). Blocks in flight walk their queries down from the same last block, so
+  // L2 holds a band of a group's Q and dO, not all of it.
+  // Deterministic mode relies on the blocks a block waits for starting first
+  // (common/dq_semaphore.h): under a right-bounded mask it adds dQ in decreasing key-block order
+  // (BwdSteps::upward) and launches the highest block first, else the grid's order. Only with one
+  // dQ copy (below
   // kBwdDqGroupsMinSeqlenKRightBounded = 8k keys, and variable-length batches): the blocks in
   // flight then read Q, dO and dQ from all of a head's query blocks instead of a band of them, and
   // at 8k keys the upward walk measured 0.42-0.52x of the default speed at d = 128 / 256 where the
   // downward walk with four dQ copies keeps 0.77-0.81x (PERFLOG.md entry 62).
   const bool upward = params.semaphores() != nullptr && p.window_right >= 0 && params.dq_groups == 1;
-  const TileCoord tile = Scheduler::get(params.scheduler, /*longest_first=*/upward, params.key_block_group);
+  const bool ascending = params.semaphores() == nullptr && p.window_left < 0 && p.window_right >= 0;
+  const TileCoord tile = Scheduler::get(params.scheduler, /*longest_first=*/upward, ascending);
   if constexpr (Scheduler::kPackable) {
     if (tile.block < 0) return;  // past a packed batch's key blocks
   }

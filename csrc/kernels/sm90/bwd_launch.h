@@ -69,22 +69,6 @@ BwdKernelParams<Traits> bwd_kernel_params(const BwdParams& params) {
   return kp;
 }
 
-// The key-block order of a dense grid (BwdKernelParams::key_block_group). Under a causal mask
-// (right-bounded, left-unbounded) key block n sees the queries from about its own rows on, so the
-// lowest blocks take longest. In the grid's order each (head, batch) pair's blocks start after
-// the previous pair's, and the last pair's longest block runs near alone at the end (up to one
-// block's work per SM: 22 of ~250 steps at 2k tokens, d = 192). Ascending over groups of
-// PersistentTileOrder::kCausalGroup pairs instead, as the forward's causal order: +0.5-7.6% at
-// d = 64-256, 2k / 8k; groups sized to 80% of L2 as FlashAttention-3's (SingleTileBwdLPTScheduler:
-// 2 pairs at 8k, d = 192) ran up to 5% behind (PERFLOG.md entry 103). Blocks in flight walk their
-// queries down from the same last block, so L2 holds a band of a group's Q and dO, not all of it.
-// 0 (the grid's order) otherwise: the deterministic order is the dQ protocol's (bwd_kernel.h).
-inline int bwd_key_block_group(const BwdParams& params) {
-  const AttnProblem& p = params.problem;
-  if (params.deterministic || !(p.window_left < 0 && p.window_right >= 0)) return 0;
-  return PersistentTileOrder::group_size(p.nheads_kv * p.batch);
-}
-
 template <typename Mainloop>
 Status run_bwd_mainloop(const BwdParams& params, cudaStream_t stream) {
   using Traits = typename Mainloop::Traits;
@@ -127,7 +111,6 @@ Status run_bwd_mainloop(const BwdParams& params, cudaStream_t stream) {
   } else {
     constexpr auto kernel = bwd_kernel<Mainloop, BwdEpilogue<Traits>, DenseGridTileMap>;
     if (Status s = ensure_smem_limit<kernel>(Traits::kSmemBytes); !s.ok()) return s;
-    kp.key_block_group = bwd_key_block_group(params);
     const dim3 grid = DenseGridTileMap::grid({}, ceil_div(p.seqlen_k, Traits::kBlockN), p.nheads_kv, p.batch);
     kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(kp);
   }

@@ -405,7 +405,6 @@ struct BwdKernelParams {
   int64_t dq_group_rows;          // BwdWorkspace::rows: the row offset between dQ groups' copies
   int dq_groups;                  // BwdWorkspace::dq_groups (1 unless deterministic)
   GridTileMap::Params scheduler;  // a packed batch's key blocks
-  int key_block_group;            // a dense grid's key blocks ascending, pairs inner (bwd_launch.h)
   typename Traits::TmaQ tma_q;
   typename Traits::TmadO tma_do;
   typename Traits::TmaKV tma_k;

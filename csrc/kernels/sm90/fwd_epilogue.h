@@ -50,6 +50,18 @@ struct FwdEpilogue {
     }
   }
 
+  // Warpgroup wg's rows of the tile in out (its first), and how many of them the sequence has
+  // (rows_left, 64 or more for a full slab).
+  template <typename Params>
+  __device__ __forceinline__ static Element* slab_rows(const Params& params, const TileCoord& tile, int wg,
+                                                       int& rows_left) {
+    const AttnProblem& p = params.problem;
+    const SeqInfo seq(p, tile.batch);
+    const int first_row = tile.block * kBlockM + wg * 64;
+    rows_left = seq.seqlen_q - first_row;
+    return seq.q_rows<Element>(p, params.o, tile.head) + int64_t(first_row) * params.o.row_stride;
+  }
+
   // A variable-length sequence's last slab (fewer than 64 rows), from shared memory: the TMA unit
   // clips only at the packed tensor's end and would write the next sequence's first rows, so the
   // warpgroup copies the rows it owns in 16-byte stores. (Stored from the accumulators instead,
@@ -59,25 +71,21 @@ struct FwdEpilogue {
   template <typename Params>
   __device__ __forceinline__ static void store_partial_slab(const Params& params, const Element* slab,
                                                             const TileCoord& tile, int wg, int tid) {
-    const AttnProblem& p = params.problem;
-    const SeqInfo seq(p, tile.batch);
-    const int first_row = tile.block * kBlockM + wg * 64;
+    int rows_left;
+    Element* o = slab_rows(params, tile, wg, rows_left);
     Tensor sO = make_tensor(make_smem_ptr(slab), typename Traits::SmemLayoutSlabO{});
-    Element* o = seq.q_rows<Element>(p, params.o, tile.head) + int64_t(first_row) * params.o.row_stride;
-    store_rows_16b<64, kHeadDimV, 128, /*kUnroll=*/false>(sO, 0, o, params.o.row_stride, seq.seqlen_q - first_row,
-                                                          cols_in_memory<Traits::kHeadDim, kHeadDimV>(p), tid);
+    store_rows_16b<64, kHeadDimV, 128, /*kUnroll=*/false>(
+        sO, 0, o, params.o.row_stride, rows_left, cols_in_memory<Traits::kHeadDim, kHeadDimV>(params.problem), tid);
   }
 
   // O = 0 of a tile whose rows see no key, straight to global memory: with O staged in V's stages
   // (Traits::kOInV) such a tile, which the K/V thread never waits for, may not write them.
   template <typename Params>
   __device__ __forceinline__ static void store_zero_slab(const Params& params, const TileCoord& tile, int wg, int tid) {
-    const AttnProblem& p = params.problem;
-    const SeqInfo seq(p, tile.batch);
-    const int first_row = tile.block * kBlockM + wg * 64;
-    Element* o = seq.q_rows<Element>(p, params.o, tile.head) + int64_t(first_row) * params.o.row_stride;
-    zero_rows_16b<64, kHeadDimV, 128>(o, params.o.row_stride, seq.seqlen_q - first_row,
-                                      cols_in_memory<Traits::kHeadDim, kHeadDimV>(p), tid);
+    int rows_left;
+    Element* o = slab_rows(params, tile, wg, rows_left);
+    zero_rows_16b<64, kHeadDimV, 128>(o, params.o.row_stride, rows_left,
+                                      cols_in_memory<Traits::kHeadDim, kHeadDimV>(params.problem), tid);
   }
 
   // Whether warpgroup wg's slab of the tile is a variable-length sequence's last, partial one:
