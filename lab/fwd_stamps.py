@@ -1,0 +1,86 @@
+"""Per-tile timeline of the sm90 forward's consumer warpgroups from SM clock stamps, MLA's
+(192, 128), bf16, 16k tokens, 16 heads, on a lab build: lab/fwd_stamps.patch applied (git apply;
+it adds csrc/kernels/sm90/lab_stamps.h and the stamps) and the kernels built with
+CUTLASS_FLASH_NVCC_FLAGS=-DCUTLASS_FLASH_LAB_STAMPS and only the d = 192 forward
+(CUTLASS_FLASH_ARCHS=90 CUTLASS_FLASH_HEAD_DIMS=192 CUTLASS_FLASH_DTYPES=bf16
+CUTLASS_FLASH_FWD_ONLY=1: the stamps live in that translation unit):
+
+    python lab/fwd_stamps.py [--cells 2048:0,2048:1,8192:0] [--out DIR]
+
+Stamps per tile and warpgroup: 0 tile received (Q landed), 1 before the first S GEMM, 2 its S
+done, 7 the first loop step's V ready, 3 loop end, 4 last P V done, 5 O staged; 6 the key blocks.
+"""
+import argparse
+import ctypes
+import os
+
+import numpy as np
+import torch
+
+import cutlass_flash
+
+CTAS, WGS, TILES, STAMPS = 132, 2, 64, 8
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cells", default="2048:0,2048:1,8192:0")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(cutlass_flash.__file__), "libcutlass_flash_kernels.so"))
+    n = CTAS * WGS * TILES * STAMPS
+    buf = (ctypes.c_longlong * n)()
+    stamps_fn = getattr(lib, "_ZN13cutlass_flash10lab_stampsEPxxi")  # cutlass_flash::lab_stamps
+    stamps_fn.argtypes = [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int]
+    rows = [f"# sm90 forward (192, 128) per-tile timeline, {torch.cuda.get_device_name()} (SM cycles)", "",
+            "Means over tiles (cycles): recv = from the warpgroup's previous O staged to this tile's Q; "
+            "first S = the first S GEMM (K wait, turn, GEMM); to V = first S done to the first loop "
+            "step's V ready; step = loop time / its steps; last PV; store = O staged. Share: of the "
+            "summed span of every block (first receive to last store).", "",
+            "| seqlen | causal | wg | tiles | steps/tile | recv | first S | to V | step | last PV | store | "
+            "loop share | overhead share |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for cell in a.cells.split(","):
+        seqlen, causal = int(cell.split(":")[0]), bool(int(cell.split(":")[1]))
+        b, h = 16384 // seqlen, 16
+        q, k = (torch.randn(b, seqlen, h, 192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        v = torch.randn(b, seqlen, h, 128, device="cuda", dtype=torch.bfloat16)
+        for _ in range(3):
+            cutlass_flash.flash_attn_func(q, k, v, causal=causal)
+        torch.cuda.synchronize()
+        assert stamps_fn(None, 0, 1) == 0
+        cutlass_flash.flash_attn_func(q, k, v, causal=causal)
+        torch.cuda.synchronize()
+        assert stamps_fn(ctypes.addressof(buf), n, 0) == 0
+        s = np.frombuffer(buf, dtype=np.int64).reshape(CTAS, WGS, TILES, STAMPS).astype(np.float64)
+        for wg in range(WGS):
+            acc = {k: [] for k in ("recv", "first", "tov", "step", "lastpv", "store", "steps")}
+            loop_tot = span_tot = 0.0
+            for c in range(CTAS):
+                t = s[c, wg]
+                valid = [i for i in range(TILES) if t[i, 0] != 0 and t[i, 5] != 0 and t[i, 6] > 1]
+                if not valid:
+                    continue
+                span_tot += t[valid[-1], 5] - t[valid[0], 0]
+                for i in valid:
+                    steps = t[i, 6]
+                    if i > 0 and t[i - 1, 5] != 0:
+                        acc["recv"].append(t[i, 0] - t[i - 1, 5])
+                    acc["first"].append(t[i, 2] - t[i, 1])
+                    acc["tov"].append(t[i, 7] - t[i, 2])
+                    acc["step"].append((t[i, 3] - t[i, 2]) / (steps - 1))
+                    acc["lastpv"].append(t[i, 4] - t[i, 3])
+                    acc["store"].append(t[i, 5] - t[i, 4])
+                    acc["steps"].append(steps)
+                    loop_tot += t[i, 3] - t[i, 2]
+            m = {k: float(np.mean(x)) if x else float("nan") for k, x in acc.items()}
+            rows.append(f"| {seqlen} | {'yes' if causal else 'no'} | {wg} | {len(acc['steps'])} | {m['steps']:.1f} | "
+                        f"{m['recv']:.0f} | {m['first']:.0f} | {m['tov']:.0f} | {m['step']:.0f} | {m['lastpv']:.0f} | "
+                        f"{m['store']:.0f} | {loop_tot / span_tot:.3f} | {1 - loop_tot / span_tot:.3f} |")
+            print(rows[-1], flush=True)
+    if a.out:
+        with open(os.path.join(a.out, "fwd_stamps.md"), "w") as f:
+            f.write("\n".join(rows) + "\n")
+
+
+if __name__ == "__main__":
+    main()
