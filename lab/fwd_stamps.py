@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 import cutlass_flash
+from cutlass_flash.benchmark import write_report
 
 CTAS, WGS, TILES, STAMPS = 132, 2, 64, 8
 
@@ -77,9 +78,7 @@ def main():
                         f"{m['recv']:.0f} | {m['first']:.0f} | {m['tov']:.0f} | {m['step']:.0f} | {m['lastpv']:.0f} | "
                         f"{m['store']:.0f} | {loop_tot / span_tot:.3f} | {1 - loop_tot / span_tot:.3f} |")
             print(rows[-1], flush=True)
-    if a.out:
-        with open(os.path.join(a.out, "fwd_stamps.md"), "w") as f:
-            f.write("\n".join(rows) + "\n")
+    write_report("\n".join(rows) + "\n", a.out, "fwd_stamps.md")
 
 
 if __name__ == "__main__":

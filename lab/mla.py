@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import cutlass_flash
-from cutlass_flash.benchmark import time_interleaved, write_report
+from cutlass_flash.benchmark import attention_flops, time_interleaved, write_report
 
 try:
     import flash_attn_interface as fa3
@@ -58,7 +58,7 @@ def main():
         v, dout = (torch.randn(batch, seqlen, h, 128, device="cuda", dtype=torch.bfloat16, generator=g)
                    for _ in range(2))
         for causal in (False, True):
-            for direction in ("fwd", "bwd") if "bwd" in modes else ("fwd",):
+            for direction in modes:
                 assert cutlass_flash.plan(q, k, direction, v=v).head_dim_v == 128, f"no {direction} kernel of its own"
             impls = {
                 "own": lambda q, k, v: cutlass_flash.flash_attn_func(q, k, v, causal=causal),
@@ -94,8 +94,7 @@ def main():
             diff = max((x.float() - y.float()).abs().max().item() for x, y in zip(own, ref))
             for mode in modes:
                 ms = time_interleaved(fwd if mode == "fwd" else bwd, rounds=7)
-                flops = 2 * batch * h * seqlen * seqlen * (192 + 128) / (2 if causal else 1)
-                flops *= 2.5 if mode == "bwd" else 1
+                flops = attention_flops(batch, h, seqlen, seqlen, (192 + 128) / 2, causal, mode)
                 t = {n: flops / m / 1e9 for n, m in ms.items()}
                 cells = " | ".join(f"{t[n]:.0f}" if n in t else "-" for n in names)
                 ratios = " | ".join(f"{t['own'] / t[n]:.3f}" if n in t else "-" for n in ("padded", "fa3", "cudnn"))

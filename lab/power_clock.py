@@ -16,6 +16,7 @@ import time
 import torch
 
 import cutlass_flash
+from cutlass_flash.benchmark import attention_flops, write_report
 
 try:
     import flash_attn_interface as fa3
@@ -61,7 +62,7 @@ def main():
         q, k = (torch.randn(b, seqlen, h, 192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         v = torch.randn(b, seqlen, h, 128, device="cuda", dtype=torch.bfloat16)
         for causal in (False, True):
-            flops = 2 * b * h * seqlen * seqlen * 320 / (2 if causal else 1)
+            flops = attention_flops(b, h, seqlen, seqlen, (192 + 128) / 2, causal, "fwd")
             impls = {"own": lambda: cutlass_flash.flash_attn_func(q, k, v, causal=causal)}
             if fa3 is not None:
                 impls["fa3"] = lambda: fa3.flash_attn_func(q, k, v, causal=causal)
@@ -73,9 +74,7 @@ def main():
                         rows.append(f"| {seqlen} | {'yes' if causal else 'no'} | {name} r{rnd} | {c:.0f} | {p:.0f} | "
                                     f"{t:.0f} | {tf:.0f} |")
                         print(rows[-1], flush=True)
-    if a.out:
-        with open(f"{a.out}/power_clock.md", "w") as f:
-            f.write("\n".join(rows) + "\n")
+    write_report("\n".join(rows) + "\n", a.out, "power_clock.md")
 
 
 if __name__ == "__main__":
