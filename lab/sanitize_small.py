@@ -10,7 +10,8 @@ with causal, query rows that see no key. Pass 80 or 90 to force a kernel family,
 list of head dims to check only those (default: every head dim with a built backward; D:DV gives
 v a head dim of its own, e.g. 192:128, MLA's); a third
 argument `det` runs the backward with deterministic=True (the dQ semaphores), `dropout` with
-dropout_p = 0.3 (the Philox mask, the sm90 forward's dropout kernels), `varlen` runs
+dropout_p = 0.3 (the Philox mask, the sm90 forward's dropout kernels), `fwd` the forward only (a
+library built with CUTLASS_FLASH_FWD_ONLY=1), `varlen` runs
 variable-length batches instead, with good and with bad cu_seqlens (past the tensors, decreasing),
 which the kernels must clamp.
 """
@@ -28,6 +29,7 @@ def main():
         dims = [(int(d), int(dv or d)) for d, _, dv in (x.partition(":") for x in sys.argv[2].split(","))]
     deterministic = len(sys.argv) > 3 and sys.argv[3] == "det"
     dropout_p = 0.3 if len(sys.argv) > 3 and sys.argv[3] == "dropout" else 0.0
+    forward_only = len(sys.argv) > 3 and sys.argv[3] == "fwd"
     if len(sys.argv) > 3 and sys.argv[3] == "varlen":
         return varlen(arch, dims)
     torch.manual_seed(0)
@@ -42,10 +44,12 @@ def main():
         with cutlass_flash.force_arch(arch):
             out = cutlass_flash.flash_attn_func(q, k, v, causal=causal, deterministic=deterministic,
                                                 dropout_p=dropout_p)
-            out.backward(torch.randn_like(out))
+            if not forward_only:
+                out.backward(torch.randn_like(out))
         torch.cuda.synchronize()
+        result = out if forward_only else q.grad
         print(f"d={d}:{dv} {batch}x{seqlen_q}x{seqlen_k} causal={causal}: "
-              f"finite={bool(torch.isfinite(q.grad).all())}", flush=True)
+              f"finite={bool(torch.isfinite(result).all())}", flush=True)
 
 def varlen(arch, dims):
     torch.manual_seed(0)

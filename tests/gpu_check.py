@@ -47,11 +47,12 @@ def skip_if_not_built(case):
         pytest.skip(why)
 
 
-def skip_unless_auto_built(head_dim, dtype):
-    """Skips a test whose calls (forward and backward, the family the dispatch picks on this GPU)
-    need kernels of head_dim (padded) and dtype ("bf16" / "fp16") that a restricted build lacks
-    (CUTLASS_FLASH_FWD_ONLY, _HEAD_DIMS, _DTYPES), instead of failing with NotImplementedError."""
-    skip_if_not_built(Case(1, 1, 1, 1, 1, head_dim, dtype, False, max(kernel_archs())))
+def skip_unless_auto_built(head_dim, dtype, arch=0):
+    """Skips a test whose calls (forward and backward, of family `arch`: by default the one the
+    dispatch picks on this GPU) need kernels of head_dim (padded) and dtype ("bf16" / "fp16")
+    that a restricted build lacks (CUTLASS_FLASH_ARCHS, _FWD_ONLY, _HEAD_DIMS, _DTYPES), instead
+    of failing with NotImplementedError."""
+    skip_if_not_built(Case(1, 1, 1, 1, 1, head_dim, dtype, False, arch or max(kernel_archs())))
 
 
 def check_case(case, device="cuda"):

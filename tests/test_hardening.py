@@ -402,7 +402,7 @@ def test_row15_any_head_dim(device, head_dim, arch):
     """Head dims between instantiated ones: the kernels read the tensors' own columns (no copy,
     row 12); a head dim that is not a multiple of 8 is padded to one (a copy) first."""
     if device == "cuda":
-        skip_unless_auto_built(cutlass_flash.padded_head_dim(head_dim), "bf16")
+        skip_unless_auto_built(cutlass_flash.padded_head_dim(head_dim), "bf16", arch)
     with cutlass_flash.force_arch(arch):
         _check_any_head_dim(device, head_dim)
 
@@ -434,7 +434,7 @@ def test_row12_narrow_head_dim_reads_and_writes_its_own_columns(head_dim, packed
     kernel that read past the tensor's columns would return NaN; the gradients land in slices of
     NaN-filled buffers (the low-level pair writes them in place), whose other columns must stay
     NaN: a kernel that wrote past them would overwrite them."""
-    skip_unless_auto_built(cutlass_flash.padded_head_dim(head_dim), "bf16")
+    skip_unless_auto_built(cutlass_flash.padded_head_dim(head_dim), "bf16", arch)
     if arch == 90 and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the sm90 family runs on sm90 GPUs")
     from cutlass_flash.lowlevel import _flash_attn_varlen_backward, _flash_attn_varlen_forward
@@ -478,7 +478,7 @@ def test_row12_narrow_head_dim_reads_and_writes_its_own_columns(head_dim, packed
 def test_row12_narrow_head_dim_memory(arch):
     """Forward + backward at head dim 80 (run on the d = 96 kernels without copies) takes at most
     1.1x the memory of head dim 96 above the inputs."""
-    skip_unless_auto_built(96, "bf16")
+    skip_unless_auto_built(96, "bf16", arch)
     if arch == 90 and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the sm90 family runs on sm90 GPUs")
 

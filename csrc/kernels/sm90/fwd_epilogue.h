@@ -24,8 +24,17 @@ struct FwdEpilogue {
   using Element = typename Traits::Element;
   static constexpr int kBlockM = Traits::kBlockM, kHeadDimV = Traits::kHeadDimV;  // O is (rows, kHeadDimV)
 
-  __device__ __forceinline__ static Element* smem_o(typename Traits::SharedStorage& shared, int wg) {
-    return (Traits::kOInV ? shared.v.data() : shared.qo.data() + Traits::kQElems) + wg * Traits::kSlabElemsO;
+  // Where a tile's O is staged in V's stages (Traits::kOInV): V's stage `stage` (its first with
+  // Traits::kOInOneStage), once the consumers' use of it with parity `released` is released.
+  struct OSlot {
+    int stage;
+    uint32_t released;
+  };
+
+  __device__ __forceinline__ static Element* smem_o(typename Traits::SharedStorage& shared, int wg, int stage) {
+    if constexpr (!Traits::kOInV) return shared.qo.data() + Traits::kQElems + wg * Traits::kSlabElemsO;
+    const int stage_offset = Traits::kOInOneStage ? stage * (Traits::kVElems / Traits::kStages) : 0;
+    return shared.v.data() + stage_offset + wg * Traits::kSlabElemsO;
   }
 
   // Writes warpgroup wg's rows of lse: each row's value sits in all 4 threads of its quad; the
@@ -123,12 +132,12 @@ struct FwdEpilogue {
   // the next tile's V there. The consumers go on to their next tile without waiting for them.
   template <typename Params>
   __device__ __forceinline__ static void store_staged(const Params& params, typename Traits::SharedStorage& shared,
-                                                      const TileCoord& tile) {
+                                                      const TileCoord& tile, int stage) {
     CUTE_UNROLL
     for (int wg = 0; wg < Traits::kNMmaWarpGroups; ++wg) {
       if (!partial_slab(params, tile, wg))
-        store_slab(params, make_tensor(make_smem_ptr(smem_o(shared, wg)), typename Traits::SmemLayoutSlabO{}), tile,
-                   wg);
+        store_slab(params, make_tensor(make_smem_ptr(smem_o(shared, wg, stage)), typename Traits::SmemLayoutSlabO{}),
+                   tile, wg);
     }
     tma_store_arrive();
     tma_store_wait<0>();
@@ -138,8 +147,8 @@ struct FwdEpilogue {
   // has_keys: whether the tile's rows see any key (else O = 0).
   template <typename Params, typename AccO, typename Lse>
   __device__ __forceinline__ static void store(const Params& params, typename Traits::SharedStorage& shared,
-                                               const TileCoord& tile, const AccO& acc_o, const Lse& lse,
-                                               bool has_keys) {
+                                               const TileCoord& tile, const AccO& acc_o, const Lse& lse, bool has_keys,
+                                               OSlot slot) {
     // The warpgroup and thread index read here, not passed in: what the store derives from them
     // (its shared-memory addresses, its barrier id) was otherwise hoisted out of the tile loop and
     // spilled across the mainloop at d = 256 (PERFLOG 65).
@@ -149,7 +158,7 @@ struct FwdEpilogue {
     typename Traits::TiledMmaPV mma_pv;
     auto copy_o = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_pv);
     auto thr_copy = copy_o.get_thread_slice(tid);
-    Tensor sO = make_tensor(make_smem_ptr(smem_o(shared, wg)), typename Traits::SmemLayoutSlabO{});
+    Tensor sO = make_tensor(make_smem_ptr(smem_o(shared, wg, slot.stage)), typename Traits::SmemLayoutSlabO{});
     Tensor rO = convert_type<Element>(acc_o);
     Tensor tOrO = thr_copy.retile_S(rO);
     Tensor tOsO = thr_copy.partition_D(sO);
@@ -159,13 +168,17 @@ struct FwdEpilogue {
       if (!has_keys) {
         store_zero_slab(params, tile, wg, tid);
       } else {
-        // Every warpgroup's last P V GEMM has read V's stages (each waited for it), and the K/V
-        // thread loads no V there before it has stored this O: O may be staged in them.
-        cutlass::arch::NamedBarrier::sync(Traits::kNMmaThreads, int(FwdBarrier::kOInV));
+        // No warpgroup reads the stages O goes to any more (with kOInOneStage: every consumer has
+        // released the stage; else every warpgroup's last P V GEMM is done), and the K/V thread
+        // loads no V there before it has stored this O.
+        if constexpr (Traits::kOInOneStage)
+          shared.pipeline_v.empty_barrier_[slot.stage].wait(slot.released);
+        else
+          cutlass::arch::NamedBarrier::sync(Traits::kNMmaThreads, int(FwdBarrier::kOInV));
         copy(copy_o, tOrO, tOsO);
         if (partial) {
           cutlass::arch::NamedBarrier::sync(128, barrier);
-          store_partial_slab(params, smem_o(shared, wg), tile, wg, tid);
+          store_partial_slab(params, smem_o(shared, wg, slot.stage), tile, wg, tid);
         } else {
           cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read next by TMA
         }
@@ -185,7 +198,7 @@ struct FwdEpilogue {
         }
       } else {
         cutlass::arch::NamedBarrier::sync(128, barrier);
-        store_partial_slab(params, smem_o(shared, wg), tile, wg, tid);
+        store_partial_slab(params, smem_o(shared, wg, 0), tile, wg, tid);
         // The next tile's stmatrix may overwrite the slab once every thread has read it.
         cutlass::arch::NamedBarrier::sync(128, barrier);
       }

@@ -47,8 +47,10 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
     prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
     prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
     prefetch_tma_descriptor(params.tma_o.get_tma_descriptor());
-    shared.q_full.init(1);
-    shared.q_empty.init(Traits::kQEmptyArrivals);
+    for (int w = 0; w < Traits::kNMmaWarpGroups; ++w) {
+      shared.q_full[w].init(1);
+      shared.q_empty[w].init(Traits::kQEmptyArrivals);
+    }
     if constexpr (Traits::kOInV) shared.o_full.init(Traits::kNMmaThreads);
     Scheduler::init(shared.scheduler);
   }
@@ -73,7 +75,9 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
         if constexpr (Traits::kOInV) {
           if (staged.block < 0) return;
           shared.o_full.wait(stored++ & 1);
-          Epilogue::store_staged(params, shared, staged);
+          // O's stage: a constant where O does not go in one stage, so that the d = 192 / 256 K/V
+          // thread holds no stage index across the store.
+          Epilogue::store_staged(params, shared, staged, Traits::kOInOneStage ? int(state.v.index()) : 0);
         }
       };
       for (int i = 0;; ++i) {
@@ -106,7 +110,8 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
     ping_pong.init();
     typename Mainloop::ConsumerState state;
     typename Traits::TiledMmaPV mma_pv;
-    for (TileWork w = Mainloop::receive(shared, state); w.coord.block >= 0; w = Mainloop::receive(shared, state)) {
+    for (TileWork w = Mainloop::receive(shared, state, wg); w.coord.block >= 0;
+         w = Mainloop::receive(shared, state, wg)) {
       const TileCoord& tile = w.coord;
       const int n_min = w.n_min, n_max = w.n_max;
       const WindowMask mask = tile_mask(tile);
@@ -121,10 +126,11 @@ __global__ void __launch_bounds__(Mainloop::Traits::kNThreads, 1)
         Mainloop::mma(shared, pipeline_k, pipeline_v, state, ping_pong, Score(p, mask, tile.batch, tile.head),
                       tile.block, n_min, n_max, p.is_varlen(), wg, tid, acc_o, softmax);
       else
-        Mainloop::release_q(shared);
+        Mainloop::release_q(shared, wg);
       Tensor lse = make_tensor<float>(Shape<Int<decltype(size<0>(acc_o_rc))::value>>{});
       Score::finalize(softmax, acc_o_rc, lse, p, tile.head);
-      Epilogue::store(params, shared, tile, acc_o, lse, n_min < n_max);
+      Epilogue::store(params, shared, tile, acc_o, lse, n_min < n_max,
+                      Mainloop::template o_slot<typename Epilogue::OSlot>(state));
     }
     Epilogue::finish(tid);
   }

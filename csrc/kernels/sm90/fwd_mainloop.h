@@ -1,7 +1,8 @@
 // sm90 forward mainloop: the producer's TMA loads and the consumers' wgmma + softmax loop.
 //
-// Per tile the producer publishes the tile (its index and Q, through q_full) and loads K[n_max-1],
-// then K[n], V[n+1] for n descending, then V[n_min]: the order the consumers use them in.
+// Per tile the producer publishes the tile (its index and Q, through q_full[w] per consumer
+// warpgroup w) and loads K[n_max-1], then K[n], V[n+1] for n descending, then V[n_min]: the order
+// the consumers use them in.
 // Iteration n of a consumer warpgroup (64 query rows) issues S_n = Q K_n^T and
 // O += P_{n+1} V_{n+1} back to back, then computes the softmax of S_n while the P V GEMM runs
 // (FlashAttention-3's intra-warpgroup overlap, pinned in place by warpgroup_wait_all_after, see
@@ -74,17 +75,18 @@ struct FwdMainloop {
   // consumers hold nothing of the tile order across their tile loop (decoding it themselves, the
   // d = 256 consumers spilled the tile count: PERFLOG 65), and Q when the tile has keys. An end
   // marker (coord.block < 0) ends the consumers' loop.
+  //
+  // Each warpgroup reads only its own 64-row slab of Q, so each slab has its barriers (q_full[w],
+  // q_empty[w]) and loads as soon as its warpgroup has released the previous tile's: the first
+  // warpgroup, half a ping-pong step ahead, does not wait for the last one's last S GEMM. The tile
+  // (`tile[i & 1]`) is written once its buffer's previous tile, i - 2, has been read by every
+  // warpgroup: warpgroup 0 has released tile i - 1 (waited for here), and every other warpgroup
+  // tile i - 2 (waited for when tile i - 1 was published).
   template <typename Params>
   __device__ __forceinline__ static void publish(const Params& params, typename Traits::SharedStorage& shared, int i,
                                                  const TileWork& w) {
-    if (i > 0) shared.q_empty.wait((i - 1) & 1);
-    shared.tile = w;
-    if (w.coord.block < 0 || w.n_min >= w.n_max) {
-      shared.q_full.arrive();
-      return;
-    }
+    const bool loads_q = w.coord.block >= 0 && w.n_min < w.n_max;
     const TileCoord& tile = w.coord;
-    shared.q_full.arrive_and_expect_tx(Traits::kQBytes);
     const AttnProblem& p = params.problem;
     // Q as 64-row slabs, one per consumer warpgroup: (64, d, slab)
     Tensor gQ = local_tile(sequence_rows<true>(params.tma_q, p, SeqInfo(p, tile.batch), tile.head),
@@ -92,10 +94,17 @@ struct FwdMainloop {
     Tensor sQ = make_tensor(make_smem_ptr(shared.qo.data()), typename Traits::SmemLayoutSlab{});
     auto [tQgQ, tQsQ] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
     CUTE_UNROLL
-    for (int w = 0; w < Traits::kNMmaWarpGroups; ++w) {
-      Tensor dst = make_tensor(tQsQ.data() + w * Traits::kSlabElems, tQsQ.layout());
-      copy(params.tma_q.with(reinterpret_cast<uint64_t&>(shared.q_full), 0, kEvictFirst),
-           tQgQ(_, tile.block * Traits::kNMmaWarpGroups + w), dst);
+    for (int wg = 0; wg < Traits::kNMmaWarpGroups; ++wg) {
+      if (i > 0) shared.q_empty[wg].wait((i - 1) & 1);
+      if (wg == 0) shared.tile[i & 1] = w;
+      if (!loads_q) {
+        shared.q_full[wg].arrive();
+        continue;
+      }
+      shared.q_full[wg].arrive_and_expect_tx(Traits::kQBytes / Traits::kNMmaWarpGroups);
+      Tensor dst = make_tensor(tQsQ.data() + wg * Traits::kSlabElems, tQsQ.layout());
+      copy(params.tma_q.with(reinterpret_cast<uint64_t&>(shared.q_full[wg]), 0, kEvictFirst),
+           tQgQ(_, tile.block * Traits::kNMmaWarpGroups + wg), dst);
     }
   }
 
@@ -152,11 +161,22 @@ struct FwdMainloop {
     int tiles = 0;  // tiles received so far (phases of q_full)
   };
 
+  // Where the tile just computed stages its O (FwdEpilogue::OSlot, kOInV): with two stages the
+  // stage of the V block before the tile's last (st.v - 2: the same index, the other parity), which
+  // is also where the next tile's first V loads.
+  template <typename OSlot>
+  __device__ __forceinline__ static OSlot o_slot(const ConsumerState& st) {
+    static_assert(!Traits::kOInOneStage || Traits::kStages == 2);
+    return {int(st.v.index()), st.v.phase() ^ 1u};
+  }
+
   // The next tile (waits for its publication; Q, if the tile has any, has landed too).
-  __device__ __forceinline__ static TileWork receive(typename Traits::SharedStorage& shared, ConsumerState& st) {
-    shared.q_full.wait(st.tiles & 1);
+  __device__ __forceinline__ static TileWork receive(typename Traits::SharedStorage& shared, ConsumerState& st,
+                                                     int wg) {
+    shared.q_full[wg].wait(st.tiles & 1);
+    const TileWork w = shared.tile[st.tiles & 1];
     ++st.tiles;
-    return shared.tile;
+    return w;
   }
 
   // Waits for a stage and releases it unread: a key block this warpgroup's rows do not see.
@@ -183,7 +203,9 @@ struct FwdMainloop {
   }
 
   // Q has no reader left in this tile: the producer may load the next one over it.
-  __device__ __forceinline__ static void release_q(typename Traits::SharedStorage& shared) { shared.q_empty.arrive(); }
+  __device__ __forceinline__ static void release_q(typename Traits::SharedStorage& shared, int wg) {
+    shared.q_empty[wg].arrive();
+  }
 
   // A packed sequence whose keys end inside its last key block (n_max - 1): the TMA unit clips
   // rows only at the packed tensor's end, so that block's K and V hold the next sequence's first
@@ -304,7 +326,7 @@ struct FwdMainloop {
       to_p(tSrS);
       probs_p16(n_block);
     }
-    release_q(shared);
+    release_q(shared, wg);
     Softmax::rescale(acc_o_rc, correction);
     pipeline_v.consumer_wait(st.v);
     gemm</*kZeroInit=*/false, /*kWait=*/0>(mma_pv, tOrP, tOrV(_, _, _, st.v.index()), acc_o);

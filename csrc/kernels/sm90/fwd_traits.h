@@ -87,6 +87,12 @@ struct FwdTraits {
   // load (ncu, (192, 128), 2k: 4% of the stall samples; PERFLOG.md entry 103).
   static constexpr bool kOInV = kSeparateOBytes + 1024 > kMaxSmemBytes;
   static_assert(!kOInV || kOElems <= kVElems, "O's slabs fit in V's stages");
+  // Where O fits in one stage ((192, 128): two 16 KiB slabs in a 32 KiB stage), it goes in the
+  // stage of the tile's next-to-last V block, which every warpgroup releases before its last P V
+  // GEMM: a warpgroup stages its O once that stage is released (FwdEpilogue::OSlot), not after a
+  // barrier with the other warpgroup's last P V GEMM, half a ping-pong step behind. With two
+  // stages that is also the stage the next tile's first V loads into, after the store.
+  static constexpr bool kOInOneStage = kOInV && kStages == 2 && kOElems <= kVElems / kStages;
 
   static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kKBytes = kBlockN * kHeadDim * sizeof(Element);
@@ -115,12 +121,13 @@ struct FwdTraits {
     cute::array_aligned<Element, kVElems, 1024> v;
     typename PipelineKV::SharedStorage pipeline_k;
     typename PipelineKV::SharedStorage pipeline_v;
-    // q_full also publishes the tile (`tile`: its coordinates and key-block range, written by the
-    // producer before its arrival): every tile, including those that load no Q and the end marker
-    // (coord.block < 0), completes one phase of q_full and (except the last) of q_empty.
-    cutlass::arch::ClusterTransactionBarrier q_full;
-    cutlass::arch::ClusterBarrier q_empty;
-    TileWork tile;
+    // Per consumer warpgroup and its slab of Q (FwdMainloop::publish). q_full also publishes the
+    // tile (`tile[i & 1]`: its coordinates and key-block range, written by the producer before its
+    // arrival): every tile, including those that load no Q and the end marker (coord.block < 0),
+    // completes one phase of each q_full and (except the last) of each q_empty.
+    cutlass::arch::ClusterTransactionBarrier q_full[kNMmaWarpGroups];
+    cutlass::arch::ClusterBarrier q_empty[kNMmaWarpGroups];
+    TileWork tile[2];
     DynamicTileScheduler::SharedStorage scheduler;  // the tile thread's hand-over to the K/V thread
     // kOInV: one phase per tile with keys, once every consumer has staged its O in V's stages
     // (the K/V thread stores it: FwdEpilogue::store_staged).
@@ -129,8 +136,8 @@ struct FwdTraits {
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= kMaxSmemBytes, "sm90 forward tile does not fit in shared memory");
 
-  // Arrivals that free Q for the next tile: every consumer thread, after the tile's last S GEMM.
-  static constexpr int kQEmptyArrivals = kNMmaThreads;
+  // Arrivals that free a warpgroup's slab of Q for the next tile: its threads, after its last S GEMM.
+  static constexpr int kQEmptyArrivals = 128;
 };
 
 // Named barriers of the consumer warpgroups (ids after CUTLASS's reserved ones).
