@@ -8,7 +8,9 @@ CUTLASS_FLASH_FWD_ONLY=1: the stamps live in that translation unit):
     python lab/fwd_stamps.py [--cells 2048:0,2048:1,8192:0] [--out DIR]
 
 Stamps per tile and warpgroup: 0 tile received (Q landed), 1 before the first S GEMM, 2 its S
-done, 7 the first loop step's V ready, 3 loop end, 4 last P V done, 5 O staged; 6 the key blocks.
+done, 7 the first loop step's V ready, 3 loop end (then Q's release), 4 last P V done, 5 O staged;
+6 the key blocks. The tile thread's (row 2): 6 before handing the tile to the K/V thread, 0 after,
+1 / 3 warpgroup 0's / 1's slab of Q free, 2 / 4 its TMA load issued.
 """
 import argparse
 import ctypes
@@ -20,7 +22,7 @@ import torch
 import cutlass_flash
 from cutlass_flash.benchmark import write_report
 
-CTAS, WGS, TILES, STAMPS = 132, 2, 64, 8
+CTAS, WGS, TILES, STAMPS = 132, 3, 64, 8  # WGS: two consumer warpgroups and the tile thread
 
 
 def main():
@@ -33,6 +35,7 @@ def main():
     buf = (ctypes.c_longlong * n)()
     stamps_fn = getattr(lib, "_ZN13cutlass_flash10lab_stampsEPxxi")  # cutlass_flash::lab_stamps
     stamps_fn.argtypes = [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int]
+    qrows = []
     rows = [f"# sm90 forward (192, 128) per-tile timeline, {torch.cuda.get_device_name()} (SM cycles)", "",
             "Means over tiles (cycles): recv = from the warpgroup's previous O staged to this tile's Q; "
             "first S = the first S GEMM (K wait, turn, GEMM); to V = first S done to the first loop "
@@ -53,7 +56,7 @@ def main():
         torch.cuda.synchronize()
         assert stamps_fn(ctypes.addressof(buf), n, 0) == 0
         s = np.frombuffer(buf, dtype=np.int64).reshape(CTAS, WGS, TILES, STAMPS).astype(np.float64)
-        for wg in range(WGS):
+        for wg in range(2):
             acc = {k: [] for k in ("recv", "first", "tov", "step", "lastpv", "store", "steps")}
             loop_tot = span_tot = 0.0
             for c in range(CTAS):
@@ -78,7 +81,39 @@ def main():
                         f"{m['recv']:.0f} | {m['first']:.0f} | {m['tov']:.0f} | {m['step']:.0f} | {m['lastpv']:.0f} | "
                         f"{m['store']:.0f} | {loop_tot / span_tot:.3f} | {1 - loop_tot / span_tot:.3f} |")
             print(rows[-1], flush=True)
+        qrows.append(q_handoff(s, seqlen, causal))
+        print(qrows[-1], flush=True)
+    rows += ["", "Q's hand-off per tile (cycles, means): free = from the warpgroup's release of the previous "
+             "tile's Q (its loop end) to the tile thread past q_empty; early = the tile thread waiting "
+             "there before the release (negative: it came later); load = from the slab's TMA load issued "
+             "to the warpgroup past q_full; claim = the tile thread from the previous tile's last load to "
+             "its hand-over of this one (the tile counter's atomic), hand-over = waiting for the K/V "
+             "thread to take the previous tile.", "",
+             "| seqlen | causal | tiles | wg 0 free | wg 0 early | wg 0 load | wg 1 free | wg 1 early | wg 1 load "
+             "| claim | hand-over |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"] + qrows
     write_report("\n".join(rows) + "\n", a.out, "fwd_stamps.md")
+
+
+def q_handoff(s, seqlen, causal):
+    """One row of the Q hand-off table from the stamps of every block (tiles 1.. of each)."""
+    acc = {k: [] for k in ("free0", "early0", "load0", "free1", "early1", "load1", "claim", "hand")}
+    for c in range(CTAS):
+        w0, w1, t = s[c, 0], s[c, 1], s[c, 2]
+        for i in range(1, TILES):
+            if not (w0[i, 0] and w1[i, 0] and w0[i - 1, 3] and w1[i - 1, 3] and t[i, 4] and t[i - 1, 4]):
+                continue
+            acc["free0"].append(t[i, 1] - w0[i - 1, 3])
+            acc["early0"].append(w0[i - 1, 3] - t[i, 0])
+            acc["load0"].append(w0[i, 0] - t[i, 2])
+            acc["free1"].append(t[i, 3] - w1[i - 1, 3])
+            acc["early1"].append(w1[i - 1, 3] - t[i, 2])
+            acc["load1"].append(w1[i, 0] - t[i, 4])
+            acc["claim"].append(t[i, 6] - t[i - 1, 4])
+            acc["hand"].append(t[i, 0] - t[i, 6])
+    m = {k: float(np.mean(x)) if x else float("nan") for k, x in acc.items()}
+    return (f"| {seqlen} | {'yes' if causal else 'no'} | {len(acc['hand'])} | {m['free0']:.0f} | {m['early0']:.0f} | "
+            f"{m['load0']:.0f} | {m['free1']:.0f} | {m['early1']:.0f} | {m['load1']:.0f} | {m['claim']:.0f} | "
+            f"{m['hand']:.0f} |")
 
 
 if __name__ == "__main__":
