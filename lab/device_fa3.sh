@@ -15,6 +15,7 @@
 #   FLASH_ATTENTION_DISABLE_HDIM192=FALSE FLASH_ATTENTION_DISABLE_HDIMDIFF192=FALSE \
 #   FLASH_ATTENTION_DISABLE_HDIM{64,128,256}=TRUE FLASH_ATTENTION_DISABLE_FP16=TRUE \
 #   FA3_CHECK="192:192 192:128" FA3_PACK=1 bash lab/device_fa3.sh
+# FA3_PATCH: a patch applied to FA3's source first (lab/fa3_stamps.patch).
 # FA3_PACK=1: also writes the built module to $OUT/fa3built.tgz (split into 15 MiB parts where
 # larger), to carry into a later call: untar it into a folder on PYTHONPATH.
 # Writes the build log to $OUT/fa3_build.log and, when done, the exit status to
@@ -27,6 +28,9 @@ _fa3_build() {
   # setup.py runs `git submodule update --init ../csrc/cutlass` unconditionally (and dies if git
   # is missing); the tarball already holds csrc/cutlass/include, so a no-op git stands in.
   printf '#!/bin/sh\nexit 0\n' >"$src/shim/git" && chmod +x "$src/shim/git"
+  # FA3_PATCH: a patch of FlashAttention-3's source applied before the build (a lab build, e.g.
+  # lab/fa3_stamps.patch: its forward's per-tile clock stamps, read by lab/fa3_stamps.py).
+  if [ -n "${FA3_PATCH:-}" ]; then patch -d "$src" -p1 <"$FA3_PATCH" || return 1; fi
   local f v
   # Features not needed for dense flash_attn_func: each skips kernel files or template branches.
   # PACKGQA/VARLEN only change GQA and varlen batches. The 2-CTA cluster forward (non-causal

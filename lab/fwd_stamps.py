@@ -36,13 +36,8 @@ def main():
     stamps_fn = getattr(lib, "_ZN13cutlass_flash10lab_stampsEPxxi")  # cutlass_flash::lab_stamps
     stamps_fn.argtypes = [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int]
     qrows = []
-    rows = [f"# sm90 forward (192, 128) per-tile timeline, {torch.cuda.get_device_name()} (SM cycles)", "",
-            "Means over tiles (cycles): recv = from the warpgroup's previous O staged to this tile's Q; "
-            "first S = the first S GEMM (K wait, turn, GEMM); to V = first S done to the first loop "
-            "step's V ready; step = loop time / its steps; last PV; store = O staged. Share: of the "
-            "summed span of every block (first receive to last store).", "",
-            "| seqlen | causal | wg | tiles | steps/tile | recv | first S | to V | step | last PV | store | "
-            "loop share | overhead share |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = [f"# sm90 forward (192, 128) per-tile timeline, {torch.cuda.get_device_name()} (SM cycles)", ""]
+    rows += TIMELINE_HEADER
     for cell in a.cells.split(","):
         seqlen, causal = int(cell.split(":")[0]), bool(int(cell.split(":")[1]))
         b, h = 16384 // seqlen, 16
@@ -56,31 +51,9 @@ def main():
         torch.cuda.synchronize()
         assert stamps_fn(ctypes.addressof(buf), n, 0) == 0
         s = np.frombuffer(buf, dtype=np.int64).reshape(CTAS, WGS, TILES, STAMPS).astype(np.float64)
-        for wg in range(2):
-            acc = {k: [] for k in ("recv", "first", "tov", "step", "lastpv", "store", "steps")}
-            loop_tot = span_tot = 0.0
-            for c in range(CTAS):
-                t = s[c, wg]
-                valid = [i for i in range(TILES) if t[i, 0] != 0 and t[i, 5] != 0 and t[i, 6] > 1]
-                if not valid:
-                    continue
-                span_tot += t[valid[-1], 5] - t[valid[0], 0]
-                for i in valid:
-                    steps = t[i, 6]
-                    if i > 0 and t[i - 1, 5] != 0:
-                        acc["recv"].append(t[i, 0] - t[i - 1, 5])
-                    acc["first"].append(t[i, 2] - t[i, 1])
-                    acc["tov"].append(t[i, 7] - t[i, 2])
-                    acc["step"].append((t[i, 3] - t[i, 2]) / (steps - 1))
-                    acc["lastpv"].append(t[i, 4] - t[i, 3])
-                    acc["store"].append(t[i, 5] - t[i, 4])
-                    acc["steps"].append(steps)
-                    loop_tot += t[i, 3] - t[i, 2]
-            m = {k: float(np.mean(x)) if x else float("nan") for k, x in acc.items()}
-            rows.append(f"| {seqlen} | {'yes' if causal else 'no'} | {wg} | {len(acc['steps'])} | {m['steps']:.1f} | "
-                        f"{m['recv']:.0f} | {m['first']:.0f} | {m['tov']:.0f} | {m['step']:.0f} | {m['lastpv']:.0f} | "
-                        f"{m['store']:.0f} | {loop_tot / span_tot:.3f} | {1 - loop_tot / span_tot:.3f} |")
-            print(rows[-1], flush=True)
+        for row in timeline_rows(s, seqlen, causal):
+            rows.append(row)
+            print(row, flush=True)
         qrows.append(q_handoff(s, seqlen, causal))
         print(qrows[-1], flush=True)
     rows += ["", "Q's hand-off per tile (cycles, means): free = from the warpgroup's release of the previous "
@@ -92,6 +65,49 @@ def main():
              "| seqlen | causal | tiles | wg 0 free | wg 0 early | wg 0 load | wg 1 free | wg 1 early | wg 1 load "
              "| claim | hand-over |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"] + qrows
     write_report("\n".join(rows) + "\n", a.out, "fwd_stamps.md")
+
+
+#: The timeline table's legend and header (lab/fa3_stamps.py prints FlashAttention-3's with them).
+TIMELINE_HEADER = [
+    "Means over tiles (cycles): recv = from the warpgroup's previous O staged to this tile's Q; "
+    "first S = the first S GEMM (K wait, turn, GEMM); to V = first S done to the first loop "
+    "step's V ready; step = loop time / its steps; last PV; store = O staged. Share: of the "
+    "summed span of every block (first receive to last store).", "",
+    "| seqlen | causal | wg | tiles | steps/tile | recv | first S | to V | step | last PV | store | "
+    "loop share | overhead share |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+
+def timeline_rows(s, seqlen, causal):
+    """The timeline table's rows of both consumer warpgroups from stamps s (blocks, warpgroups,
+    tiles, 8) numbered as this file's docstring says (stamp 7 absent: "to V" is -)."""
+    rows = []
+    for wg in range(2):
+        acc = {k: [] for k in ("recv", "first", "tov", "step", "lastpv", "store", "steps")}
+        loop_tot = span_tot = 0.0
+        for c in range(s.shape[0]):
+            t = s[c, wg]
+            valid = [i for i in range(s.shape[2]) if t[i, 0] != 0 and t[i, 5] != 0 and t[i, 6] > 1]
+            if not valid:
+                continue
+            span_tot += t[valid[-1], 5] - t[valid[0], 0]
+            for i in valid:
+                steps = t[i, 6]
+                if i > 0 and t[i - 1, 5] != 0:
+                    acc["recv"].append(t[i, 0] - t[i - 1, 5])
+                acc["first"].append(t[i, 2] - t[i, 1])
+                if t[i, 7] != 0:
+                    acc["tov"].append(t[i, 7] - t[i, 2])
+                acc["step"].append((t[i, 3] - t[i, 2]) / (steps - 1))
+                acc["lastpv"].append(t[i, 4] - t[i, 3])
+                acc["store"].append(t[i, 5] - t[i, 4])
+                acc["steps"].append(steps)
+                loop_tot += t[i, 3] - t[i, 2]
+        m = {k: f"{np.mean(x):.0f}" if x else "-" for k, x in acc.items()}
+        share = loop_tot / span_tot if span_tot else float("nan")
+        rows.append(f"| {seqlen} | {'yes' if causal else 'no'} | {wg} | {len(acc['steps'])} | "
+                    f"{np.mean(acc['steps']) if acc['steps'] else float('nan'):.1f} | {m['recv']} | {m['first']} | "
+                    f"{m['tov']} | {m['step']} | {m['lastpv']} | {m['store']} | {share:.3f} | {1 - share:.3f} |")
+    return rows
 
 
 def q_handoff(s, seqlen, causal):
