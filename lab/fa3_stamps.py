@@ -18,7 +18,7 @@ import torch
 
 import flash_attn_interface as fa3
 from cutlass_flash.benchmark import write_report
-from fwd_stamps import TIMELINE_HEADER, timeline_rows
+from fwd_stamps import TIMELINE_HEADER, cells, timeline_rows
 
 CTAS, WGS, TILES, STAMPS = 132, 2, 64, 8  # lab_stamps.h of the patch
 
@@ -48,11 +48,7 @@ def main():
     a = ap.parse_args()
     rows = [f"# FlashAttention-3 (192, 128) forward per-tile timeline, {torch.cuda.get_device_name()} "
             "(SM cycles; lab/fa3_stamps.patch)", ""] + TIMELINE_HEADER
-    for cell in a.cells.split(","):
-        seqlen, causal = int(cell.split(":")[0]), bool(int(cell.split(":")[1]))
-        b, h = 16384 // seqlen, 16
-        q, k = (torch.randn(b, seqlen, h, 192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        v = torch.randn(b, seqlen, h, 128, device="cuda", dtype=torch.bfloat16)
+    for seqlen, causal, q, k, v in cells(a.cells):
         for _ in range(3):
             fa3.flash_attn_func(q, k, v, causal=causal)
         s = stamps_of_one_call(q, k, v, causal)

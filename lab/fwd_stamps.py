@@ -38,11 +38,7 @@ def main():
     qrows = []
     rows = [f"# sm90 forward (192, 128) per-tile timeline, {torch.cuda.get_device_name()} (SM cycles)", ""]
     rows += TIMELINE_HEADER
-    for cell in a.cells.split(","):
-        seqlen, causal = int(cell.split(":")[0]), bool(int(cell.split(":")[1]))
-        b, h = 16384 // seqlen, 16
-        q, k = (torch.randn(b, seqlen, h, 192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        v = torch.randn(b, seqlen, h, 128, device="cuda", dtype=torch.bfloat16)
+    for seqlen, causal, q, k, v in cells(a.cells):
         for _ in range(3):
             cutlass_flash.flash_attn_func(q, k, v, causal=causal)
         torch.cuda.synchronize()
@@ -65,6 +61,17 @@ def main():
              "| seqlen | causal | tiles | wg 0 free | wg 0 early | wg 0 load | wg 1 free | wg 1 early | wg 1 load "
              "| claim | hand-over |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"] + qrows
     write_report("\n".join(rows) + "\n", a.out, "fwd_stamps.md")
+
+
+def cells(spec):
+    """(seqlen, causal, q, k, v) of each SEQLEN:CAUSAL cell of spec: (192, 128), bf16, 16k tokens
+    a batch, 16 heads (lab/fa3_stamps.py times FlashAttention-3 on the same cells)."""
+    for cell in spec.split(","):
+        seqlen, causal = int(cell.split(":")[0]), bool(int(cell.split(":")[1]))
+        b, h = 16384 // seqlen, 16
+        q, k = (torch.randn(b, seqlen, h, 192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        v = torch.randn(b, seqlen, h, 128, device="cuda", dtype=torch.bfloat16)
+        yield seqlen, causal, q, k, v
 
 
 #: The timeline table's legend and header (lab/fa3_stamps.py prints FlashAttention-3's with them).
