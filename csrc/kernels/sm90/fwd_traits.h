@@ -137,7 +137,7 @@ struct FwdTraits {
   static_assert(kSmemBytes <= kMaxSmemBytes, "sm90 forward tile does not fit in shared memory");
 
   // Arrivals that free a warpgroup's slab of Q for the next tile: its threads, after its last S GEMM.
-  static constexpr int kQEmptyArrivals = 128;
+  static constexpr int kQEmptyArrivals = kNMmaThreads / kNMmaWarpGroups;
 };
 
 // Named barriers of the consumer warpgroups (ids after CUTLASS's reserved ones).
