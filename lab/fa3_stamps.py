@@ -5,9 +5,9 @@ on PYTHONPATH). The patch appends each launch's stamps to the file FA3_LAB_STAMP
 
     python lab/fa3_stamps.py [--cells 2048:0,2048:1,8192:0] [--out DIR]
 
-Stamps as fwd_stamps.py's, with two differences: there is no stamp 7 (the "to V" column is -),
-and stamp 4 comes after the softmax's final row sums (FlashAttention-3 waits for its last P V GEMM
-after them), so its "last PV" holds part of what ours counts in "store".
+Stamps as fwd_stamps.py's, with one difference: stamp 4 comes after the softmax's final row sums
+(FlashAttention-3 waits for its last P V GEMM after them), so its "last PV" holds part of what ours
+counts in "store". With --out, the raw stamps go there too (lab/stamps_fit.py).
 """
 import argparse
 import os
@@ -18,7 +18,7 @@ import torch
 
 import flash_attn_interface as fa3
 from cutlass_flash.benchmark import write_report
-from fwd_stamps import TIMELINE_HEADER, cells, timeline_rows
+from fwd_stamps import TIMELINE_HEADER, cells, save_raw, timeline_rows
 
 CTAS, WGS, TILES, STAMPS = 132, 2, 64, 8  # lab_stamps.h of the patch
 
@@ -52,6 +52,7 @@ def main():
         for _ in range(3):
             fa3.flash_attn_func(q, k, v, causal=causal)
         s = stamps_of_one_call(q, k, v, causal)
+        save_raw(s, a.out, "fa3", seqlen, causal)
         for row in timeline_rows(s, seqlen, causal):
             rows.append(row)
             print(row, flush=True)

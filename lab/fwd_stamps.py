@@ -47,6 +47,7 @@ def main():
         torch.cuda.synchronize()
         assert stamps_fn(ctypes.addressof(buf), n, 0) == 0
         s = np.frombuffer(buf, dtype=np.int64).reshape(CTAS, WGS, TILES, STAMPS).astype(np.float64)
+        save_raw(s, a.out, "own", seqlen, causal)
         for row in timeline_rows(s, seqlen, causal):
             rows.append(row)
             print(row, flush=True)
@@ -61,6 +62,13 @@ def main():
              "| seqlen | causal | tiles | wg 0 free | wg 0 early | wg 0 load | wg 1 free | wg 1 early | wg 1 load "
              "| claim | hand-over |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"] + qrows
     write_report("\n".join(rows) + "\n", a.out, "fwd_stamps.md")
+
+
+def save_raw(s, out, impl, seqlen, causal):
+    """The stamps as IMPL-SEQLEN-CAUSAL.npy under out (read by lab/stamps_fit.py)."""
+    if out:
+        os.makedirs(out, exist_ok=True)
+        np.save(os.path.join(out, f"{impl}-{seqlen}-{int(causal)}.npy"), s.astype(np.int64))
 
 
 def cells(spec):
