@@ -7,7 +7,9 @@
 // O += P_{n+1} V_{n+1} back to back, then computes the softmax of S_n while the P V GEMM runs
 // (FlashAttention-3's intra-warpgroup overlap, pinned in place by warpgroup_wait_all_after, see
 // utils.h). Across warpgroups, named barriers let one warpgroup issue its GEMMs while the other
-// runs its exponentials (ping-pong), so the tensor cores stay busy through the softmax.
+// runs its exponentials (ping-pong), so the tensor cores stay busy through the softmax. Where
+// Traits::kLoopPingPong is off, only a tile's first S GEMM goes in turn (so the warpgroups start
+// the tile half a GEMM apart) and the loop's GEMMs are issued as each warpgroup gets to them.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -283,8 +285,10 @@ struct FwdMainloop {
     const int n_top = max(n_min + 1, min(n_max, mask.n_block_end<kBlockN>(row_offset, wg_rows_end)));
     for (int n = n_max - 1; n >= n_top; --n) {
       pass_stage(pipeline_k, st.k);
-      scheduler.sync();
-      scheduler.arrive();
+      if constexpr (Traits::kLoopPingPong) {
+        scheduler.sync();
+        scheduler.arrive();
+      }
     }
 
     // First (highest) key block: S only; its P V waits for the next iteration.
@@ -305,12 +309,12 @@ struct FwdMainloop {
     for (--n_block; n_block >= n_min; --n_block) {
       Tensor tSrS = partition_fragment_C(mma_qk, Shape<_64, Int<kBlockN>>{});
       pipeline_k.consumer_wait(st.k);
-      scheduler.sync();
+      if constexpr (Traits::kLoopPingPong) scheduler.sync();
       gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, st.k.index()), tSrS);
       Softmax::rescale(acc_o_rc, correction);
       pipeline_v.consumer_wait(st.v);
       gemm</*kZeroInit=*/false, /*kWait=*/-1>(mma_pv, tOrP, tOrV(_, _, _, st.v.index()), acc_o);
-      scheduler.arrive();
+      if constexpr (Traits::kLoopPingPong) scheduler.arrive();
       warpgroup_wait<1>();            // S done; P V still running
       warpgroup_fence_operand(tSrS);  // reads of S stay below the wait
       pipeline_k.consumer_release(st.k);
@@ -320,7 +324,12 @@ struct FwdMainloop {
       correction = softmax.template max_and_exp</*kFirst=*/false>(s_rc);
       probs_fp32(s_rc, n_block);
       // P V ran behind the exponentials; it must be done before its P registers are rewritten.
-      warpgroup_wait_all_after(softmax.row_sum(0) + softmax.row_sum(Softmax::kRows - 1));
+      // Without ping-pong the plain wait measured faster (the compiler places it before the row
+      // maxima: the other warpgroup's GEMMs cover the softmax instead, PERFLOG 106).
+      if constexpr (Traits::kLoopPingPong)
+        warpgroup_wait_all_after(softmax.row_sum(0) + softmax.row_sum(Softmax::kRows - 1));
+      else
+        warpgroup_wait<0>();
       pipeline_v.consumer_release(st.v);
       ++st.v;
       to_p(tSrS);

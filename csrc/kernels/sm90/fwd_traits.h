@@ -42,6 +42,11 @@ struct FwdTraits {
   // score_policy.h says why at these head dims.
   static constexpr bool kProbsKernel = kHeadDim <= 64 || kHeadDim >= 128;
   static constexpr bool kProbsOnP16 = kHeadDim <= 64 || kHeadDim >= 192;
+  // Ping-pong of GEMM issue between the consumer warpgroups in the key-block loop (fwd_mainloop.h;
+  // a tile's first S GEMM always goes in turn). Off at (192, 128), as FlashAttention-3 has it off
+  // at d > 128: a key block costs 2800 SM cycles instead of 2900 (2560 of tensor work), +1.5-2.3%
+  // from 2k (PERFLOG 106). Off in the loop and at the tile's start too, causal tiles lost 4%.
+  static constexpr bool kLoopPingPong = !(kHeadDim == 192 && kHeadDimV == 128);
 
   // Each consumer warpgroup multiplies its own 64 query rows: one wgmma atom tall.
   using TileShapeQK = Shape<_64, Int<kBlockN>, Int<kHeadDim>>;   // S = Q K^T: (M, N, K=d)
