@@ -44,11 +44,13 @@ def stamps_of_one_call(q, k, v, causal):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cells", default="2048:0,2048:1,8192:0")
+    ap.add_argument("--dims", default="192:128", help="D:DV, the head dims of Q and K, and of V")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    rows = [f"# FlashAttention-3 (192, 128) forward per-tile timeline, {torch.cuda.get_device_name()} "
+    dims = a.dims.replace(":", ", ")
+    rows = [f"# FlashAttention-3 ({dims}) forward per-tile timeline, {torch.cuda.get_device_name()} "
             "(SM cycles; lab/fa3_stamps.patch)", ""] + TIMELINE_HEADER
-    for seqlen, causal, q, k, v in cells(a.cells):
+    for seqlen, causal, q, k, v in cells(a.cells, a.dims):
         for _ in range(3):
             fa3.flash_attn_func(q, k, v, causal=causal)
         s = stamps_of_one_call(q, k, v, causal)

@@ -1,11 +1,13 @@
 """Per-tile timeline of the sm90 forward's consumer warpgroups from SM clock stamps, MLA's
-(192, 128), bf16, 16k tokens, 16 heads, on a lab build: lab/fwd_stamps.patch applied (git apply;
+(192, 128) unless --dims says otherwise (kernels of two consumer warpgroups: d = 128, 192, 256),
+bf16, 16k tokens, 16 heads, on a lab build: lab/fwd_stamps.patch applied (git apply;
 it adds csrc/kernels/sm90/lab_stamps.h and the stamps) and the kernels built with
-CUTLASS_FLASH_NVCC_FLAGS=-DCUTLASS_FLASH_LAB_STAMPS and only the d = 192 forward
+CUTLASS_FLASH_NVCC_FLAGS=-DCUTLASS_FLASH_LAB_STAMPS and only that head dim's forward
 (CUTLASS_FLASH_ARCHS=90 CUTLASS_FLASH_HEAD_DIMS=192 CUTLASS_FLASH_DTYPES=bf16
-CUTLASS_FLASH_FWD_ONLY=1: the stamps live in that translation unit):
+CUTLASS_FLASH_FWD_ONLY=1, or HEAD_DIMS=128 for --dims 128:128: the stamps live in that
+translation unit):
 
-    python lab/fwd_stamps.py [--cells 2048:0,2048:1,8192:0] [--out DIR]
+    python lab/fwd_stamps.py [--cells 2048:0,2048:1,8192:0] [--dims 192:128] [--out DIR]
 
 Stamps per tile and warpgroup: 0 tile received (Q landed), 1 before the first S GEMM, 2 its S
 done, 7 the first loop step's V ready, 3 loop end (then Q's release), 4 last P V done, 5 O staged;
@@ -28,6 +30,7 @@ CTAS, WGS, TILES, STAMPS = 132, 3, 64, 8  # WGS: two consumer warpgroups and the
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cells", default="2048:0,2048:1,8192:0")
+    ap.add_argument("--dims", default="192:128", help="D:DV, the head dims of Q and K, and of V")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     lib = ctypes.CDLL(os.path.join(os.path.dirname(cutlass_flash.__file__), "libcutlass_flash_kernels.so"))
@@ -36,9 +39,10 @@ def main():
     stamps_fn = getattr(lib, "_ZN13cutlass_flash10lab_stampsEPxxi")  # cutlass_flash::lab_stamps
     stamps_fn.argtypes = [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int]
     qrows = []
-    rows = [f"# sm90 forward (192, 128) per-tile timeline, {torch.cuda.get_device_name()} (SM cycles)", ""]
+    dims = a.dims.replace(":", ", ")
+    rows = [f"# sm90 forward ({dims}) per-tile timeline, {torch.cuda.get_device_name()} (SM cycles)", ""]
     rows += TIMELINE_HEADER
-    for seqlen, causal, q, k, v in cells(a.cells):
+    for seqlen, causal, q, k, v in cells(a.cells, a.dims):
         for _ in range(3):
             cutlass_flash.flash_attn_func(q, k, v, causal=causal)
         torch.cuda.synchronize()
@@ -71,14 +75,16 @@ def save_raw(s, out, impl, seqlen, causal):
         np.save(os.path.join(out, f"{impl}-{seqlen}-{int(causal)}.npy"), s.astype(np.int64))
 
 
-def cells(spec):
-    """(seqlen, causal, q, k, v) of each SEQLEN:CAUSAL cell of spec: (192, 128), bf16, 16k tokens
-    a batch, 16 heads (lab/fa3_stamps.py times FlashAttention-3 on the same cells)."""
+def cells(spec, dims="192:128"):
+    """(seqlen, causal, q, k, v) of each SEQLEN:CAUSAL cell of spec at head dims D:DV (Q and K's,
+    V's), bf16, 16k tokens a batch, 16 heads (lab/fa3_stamps.py times FlashAttention-3 on the same
+    cells). The stamps' layout fits kernels of two consumer warpgroups (d = 128, 192, 256)."""
+    d, dv = (int(x) for x in dims.split(":"))
     for cell in spec.split(","):
         seqlen, causal = int(cell.split(":")[0]), bool(int(cell.split(":")[1]))
         b, h = 16384 // seqlen, 16
-        q, k = (torch.randn(b, seqlen, h, 192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        v = torch.randn(b, seqlen, h, 128, device="cuda", dtype=torch.bfloat16)
+        q, k = (torch.randn(b, seqlen, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        v = torch.randn(b, seqlen, h, dv, device="cuda", dtype=torch.bfloat16)
         yield seqlen, causal, q, k, v
 
 
