@@ -9,7 +9,6 @@ Stamps as fwd_stamps.py's, with one difference: stamp 4 comes after the softmax'
 (FlashAttention-3 waits for its last P V GEMM after them), so its "last PV" holds part of what ours
 counts in "store". With --out, the raw stamps go there too (lab/stamps_fit.py).
 """
-import argparse
 import os
 import tempfile
 
@@ -18,7 +17,7 @@ import torch
 
 import flash_attn_interface as fa3
 from cutlass_flash.benchmark import write_report
-from fwd_stamps import TIMELINE_HEADER, cells, save_raw, timeline_rows
+from fwd_stamps import TIMELINE_HEADER, cells, parse_args, save_raw, timeline_rows
 
 CTAS, WGS, TILES, STAMPS = 132, 2, 64, 8  # lab_stamps.h of the patch
 
@@ -42,11 +41,7 @@ def stamps_of_one_call(q, k, v, causal):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--cells", default="2048:0,2048:1,8192:0")
-    ap.add_argument("--dims", default="192:128", help="D:DV, the head dims of Q and K, and of V")
-    ap.add_argument("--out", default=None)
-    a = ap.parse_args()
+    a = parse_args()
     dims = a.dims.replace(":", ", ")
     rows = [f"# FlashAttention-3 ({dims}) forward per-tile timeline, {torch.cuda.get_device_name()} "
             "(SM cycles; lab/fa3_stamps.patch)", ""] + TIMELINE_HEADER

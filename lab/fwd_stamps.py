@@ -27,12 +27,17 @@ from cutlass_flash.benchmark import write_report
 CTAS, WGS, TILES, STAMPS = 132, 3, 64, 8  # WGS: two consumer warpgroups and the tile thread
 
 
-def main():
+def parse_args():
+    """The command line of this script and lab/fa3_stamps.py (the same cells for both timelines)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--cells", default="2048:0,2048:1,8192:0")
     ap.add_argument("--dims", default="192:128", help="D:DV, the head dims of Q and K, and of V")
     ap.add_argument("--out", default=None)
-    a = ap.parse_args()
+    return ap.parse_args()
+
+
+def main():
+    a = parse_args()
     lib = ctypes.CDLL(os.path.join(os.path.dirname(cutlass_flash.__file__), "libcutlass_flash_kernels.so"))
     n = CTAS * WGS * TILES * STAMPS
     buf = (ctypes.c_longlong * n)()
