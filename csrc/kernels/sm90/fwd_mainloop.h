@@ -9,7 +9,9 @@
 // utils.h). Across warpgroups, named barriers let one warpgroup issue its GEMMs while the other
 // runs its exponentials (ping-pong), so the tensor cores stay busy through the softmax. Where
 // Traits::kLoopPingPong is off, only a tile's first S GEMM goes in turn (so the warpgroups start
-// the tile half a GEMM apart) and the loop's GEMMs are issued as each warpgroup gets to them.
+// the tile half a GEMM apart), the loop's GEMMs are issued as each warpgroup gets to them, and P
+// alternates between two register buffers, so that a step's P V GEMM runs under its whole softmax
+// (the step waits for the previous one's behind its own S GEMM).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -270,9 +272,9 @@ struct FwdMainloop {
         score.template fwd_probs</*kTransposed=*/false, 8, kAlign>(s_rc, rowcol_view(tScS), row_offset,
                                                                    n_block * kBlockN);
     };
-    auto probs_p16 = [&](int n_block) {
+    auto probs_p16 = [&](auto& p, int n_block) {
       if constexpr (Traits::kProbsOnP16)
-        score.template fwd_probs16<kAlign>(rowcol_view(rP), rowcol_view(tScS), row_offset, n_block * kBlockN);
+        score.template fwd_probs16<kAlign>(rowcol_view(p), rowcol_view(tScS), row_offset, n_block * kBlockN);
     };
 
     // Key blocks of the tile above this warpgroup's last row (a 192-row tile spans 1.5 key blocks
@@ -301,20 +303,81 @@ struct FwdMainloop {
       softmax.template max_and_exp</*kFirst=*/true>(s_rc);
       probs_fp32(s_rc, n_block);
       to_p(tSrS);
-      probs_p16(n_block);
+      probs_p16(rP, n_block);
     }
     for (int n = n_max - 1; n >= n_top; --n) pass_stage(pipeline_v, st.v);
     auto correction = make_tensor<float>(Shape<Int<Softmax::kRows>>{});
     fill(correction, 1.f);
+    if constexpr (!Traits::kLoopPingPong) {
+      // P in two register buffers, alternating by key block: a step packs its P into the buffer
+      // that the previous step's P V GEMM read, which it waits for behind its own S GEMM (before
+      // the rescale of O), so its own P V GEMM runs under the whole softmax. With one buffer,
+      // ptxas put the wait for P V at the top of the softmax (PERFLOG 107).
+      decltype(rP) rP2;
+      Tensor tOrP2 = make_tensor(rP2.data(), tOrP.layout());
+      PipelineState v_busy = st.v;  // the V stage of the P V GEMM in flight, if pv_busy
+      bool pv_busy = false;
+      auto step = [&](auto& tOrP_in, auto& p_out) {
+        Tensor tSrS = partition_fragment_C(mma_qk, Shape<_64, Int<kBlockN>>{});
+        pipeline_k.consumer_wait(st.k);
+        gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, st.k.index()), tSrS);
+        warpgroup_wait<1>();  // the previous step's P V (it read p_out); S still running
+        warpgroup_fence_operand(acc_o);
+        if (pv_busy) pipeline_v.consumer_release(v_busy);
+        Softmax::rescale(acc_o_rc, correction);
+        pipeline_v.consumer_wait(st.v);
+        gemm</*kZeroInit=*/false, /*kWait=*/-1>(mma_pv, tOrP_in, tOrV(_, _, _, st.v.index()), acc_o);
+        v_busy = st.v;
+        pv_busy = true;
+        ++st.v;
+        warpgroup_wait<1>();            // S done; P V still running
+        warpgroup_fence_operand(tSrS);  // reads of S stay below the wait
+        pipeline_k.consumer_release(st.k);
+        ++st.k;
+        scores(tSrS, n_block, needs_mask(n_block));
+        Tensor s_rc = rowcol_view(tSrS);
+        correction = softmax.template max_and_exp</*kFirst=*/false>(s_rc);
+        probs_fp32(s_rc, n_block);
+        p_out = convert_type<Element>(tSrS);
+        probs_p16(p_out, n_block);
+      };
+      auto last_pv = [&](auto& tOrP_last) {
+        release_q(shared, wg);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_o);
+        if (pv_busy) pipeline_v.consumer_release(v_busy);
+        Softmax::rescale(acc_o_rc, correction);
+        pipeline_v.consumer_wait(st.v);
+        gemm</*kZeroInit=*/false, /*kWait=*/0>(mma_pv, tOrP_last, tOrV(_, _, _, st.v.index()), acc_o);
+        pipeline_v.consumer_release(st.v);
+        ++st.v;
+      };
+      for (--n_block;;) {
+        if (n_block < n_min) {
+          last_pv(tOrP);
+          break;
+        }
+        step(tOrP, rP2);
+        --n_block;
+        if (n_block < n_min) {
+          last_pv(tOrP2);
+          break;
+        }
+        step(tOrP2, rP);
+        --n_block;
+      }
+      return;
+    }
+    // With ping-pong: one P buffer, the loop's GEMMs issued in turn.
     for (--n_block; n_block >= n_min; --n_block) {
       Tensor tSrS = partition_fragment_C(mma_qk, Shape<_64, Int<kBlockN>>{});
       pipeline_k.consumer_wait(st.k);
-      if constexpr (Traits::kLoopPingPong) scheduler.sync();
+      scheduler.sync();
       gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, st.k.index()), tSrS);
       Softmax::rescale(acc_o_rc, correction);
       pipeline_v.consumer_wait(st.v);
       gemm</*kZeroInit=*/false, /*kWait=*/-1>(mma_pv, tOrP, tOrV(_, _, _, st.v.index()), acc_o);
-      if constexpr (Traits::kLoopPingPong) scheduler.arrive();
+      scheduler.arrive();
       warpgroup_wait<1>();            // S done; P V still running
       warpgroup_fence_operand(tSrS);  // reads of S stay below the wait
       pipeline_k.consumer_release(st.k);
@@ -324,16 +387,11 @@ struct FwdMainloop {
       correction = softmax.template max_and_exp</*kFirst=*/false>(s_rc);
       probs_fp32(s_rc, n_block);
       // P V ran behind the exponentials; it must be done before its P registers are rewritten.
-      // Without ping-pong the plain wait measured faster (the compiler places it before the row
-      // maxima: the other warpgroup's GEMMs cover the softmax instead, PERFLOG 106).
-      if constexpr (Traits::kLoopPingPong)
-        warpgroup_wait_all_after(softmax.row_sum(0) + softmax.row_sum(Softmax::kRows - 1));
-      else
-        warpgroup_wait<0>();
+      warpgroup_wait_all_after(softmax.row_sum(0) + softmax.row_sum(Softmax::kRows - 1));
       pipeline_v.consumer_release(st.v);
       ++st.v;
       to_p(tSrS);
-      probs_p16(n_block);
+      probs_p16(rP, n_block);
     }
     release_q(shared, wg);
     Softmax::rescale(acc_o_rc, correction);

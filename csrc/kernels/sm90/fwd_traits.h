@@ -46,6 +46,8 @@ struct FwdTraits {
   // a tile's first S GEMM always goes in turn). Off at (192, 128), as FlashAttention-3 has it off
   // at d > 128: a key block costs 2800 SM cycles instead of 2900 (2560 of tensor work), +1.5-2.3%
   // from 2k (PERFLOG 106). Off in the loop and at the tile's start too, causal tiles lost 4%.
+  // Without it the loop keeps P in two register buffers (32 more registers a thread): +3-5% without
+  // a mask, +1-4% causal (PERFLOG 107).
   static constexpr bool kLoopPingPong = !(kHeadDim == 192 && kHeadDimV == 128);
 
   // Each consumer warpgroup multiplies its own 64 query rows: one wgmma atom tall.
